@@ -1,0 +1,83 @@
+"""Estimator quality per draft position: AUC, ECE and Brier of s_i(j) against 1[accepted >= j]."""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel
+
+from scheduling.traces import Traces
+
+
+class PositionScore(BaseModel):
+    position: int
+    n: int
+    positive_rate: float
+    auc: float | None  # None when the position has only one class
+    brier: float
+    ece: float
+
+
+class EstimatorReport(BaseModel):
+    estimator: str
+    positions: list[PositionScore]
+
+    @property
+    def mean_auc(self) -> float:
+        aucs = [p.auc for p in self.positions if p.auc is not None]
+        return float(np.mean(aucs)) if aucs else float("nan")
+
+    @property
+    def mean_brier(self) -> float:
+        return float(np.mean([p.brier for p in self.positions]))
+
+    @property
+    def mean_ece(self) -> float:
+        return float(np.mean([p.ece for p in self.positions]))
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """Mann-Whitney AUC with average ranks for ties."""
+    labels = labels.astype(bool)
+    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    ranks = np.empty(len(scores))
+    # Average rank over each run of equal scores.
+    _, start, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
+    avg = start + (counts + 1) / 2.0
+    ranks[order] = np.repeat(avg, counts)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def brier(probs: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean((probs - labels.astype(np.float64)) ** 2))
+
+
+def ece(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> float:
+    """Expected calibration error over equal-width probability bins."""
+    idx = np.minimum((probs * bins).astype(int), bins - 1)
+    counts = np.bincount(idx, minlength=bins)
+    conf = np.bincount(idx, weights=probs, minlength=bins)
+    acc = np.bincount(idx, weights=labels.astype(np.float64), minlength=bins)
+    nz = counts > 0
+    return float(np.sum(np.abs(acc[nz] - conf[nz])) / len(probs))
+
+
+def evaluate(estimator, traces: Traces, min_rows: int = 20) -> EstimatorReport:
+    """Score `estimator.predict` on traces; position j counts the rows that verified at least j drafts."""
+    survival = estimator.predict(traces.inputs)
+    scores = []
+    for j in range(1, traces.k + 1):
+        rows = traces.drafted >= j
+        if rows.sum() < min_rows:
+            continue
+        p = survival[rows, j - 1]
+        y = traces.accepted[rows] >= j
+        scores.append(
+            PositionScore(
+                position=j, n=int(rows.sum()), positive_rate=float(y.mean()), auc=auc(p, y), brier=brier(p, y), ece=ece(p, y)
+            )
+        )
+    return EstimatorReport(estimator=getattr(estimator, "name", type(estimator).__name__), positions=scores)

@@ -1,0 +1,76 @@
+"""Pre-draft joint draft-verify planner (DESIGN.md section 1.2).
+
+Before drafting, choose per-request draft widths d_i (each admitted slot is
+drafted and, unless the post-draft stage drops it, verified) maximising
+expected tokens per millisecond. For a fixed number of admitted slots the best
+choice is the top gains, and T depends only on the totals, so taking the best
+prefix of the global sort is exact. Pre-draft inputs never see a draft token,
+so this argmax is safe for losslessness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduling.cost_model import StepCostModel
+from scheduling.slots import check_survival, rank_slots
+
+
+@dataclass(slots=True)
+class DraftPlan:
+    draft: np.ndarray  # (B,) draft width per request
+    verify_cap: int  # verify tokens the post-draft stage may spend in total
+    expected_tokens: float  # R + sum of admitted gains
+    step_ms: float  # predicted step time
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.expected_tokens / self.step_ms
+
+
+def bounds(
+    batch: int, k: int, lo: np.ndarray | None, hi: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Per-request (lo, hi) as int64 with 0 <= lo <= hi <= k; None where trivial (no forced slots, width k)."""
+    if hi is not None:
+        hi = np.minimum(np.maximum(np.asarray(hi, np.int64), 0), k)
+    if lo is not None:
+        lo = np.minimum(np.maximum(np.asarray(lo, np.int64), 0), k if hi is None else hi)
+    return lo, hi
+
+
+def plan_step(
+    survival: np.ndarray,
+    cost: StepCostModel,
+    *,
+    lo: np.ndarray | None = None,
+    hi: np.ndarray | None = None,
+    token_budget: int | None = None,
+    time_cap_ms: float | None = None,
+    validate: bool = True,
+) -> DraftPlan:
+    """Draft widths with lo_i <= d_i <= hi_i maximising (R + sum gains) / T(R, sum d, R + sum d).
+
+    `token_budget` caps target tokens per step (R + verified); `time_cap_ms`
+    caps predicted step time (a TPOT SLO). Both may cut forced slots: the
+    system's limits win over a policy's fixed width. `validate=False` skips
+    `check_survival` for curves built by `survival_from_hazards`.
+    """
+    survival = np.asarray(survival, dtype=np.float64)
+    if validate:
+        check_survival(survival)
+    b, k = survival.shape
+    lo_, hi_ = bounds(b, k, lo, hi)
+    ranking = rank_slots(
+        survival, cost, lo=lo_, hi=hi_, drafted_tokens=None, token_budget=token_budget, time_cap_ms=time_cap_ms
+    )
+    first = min(ranking.n_forced, ranking.feasible_upto)
+    best = first + int(ranking.ratio[first : ranking.feasible_upto + 1].argmax())
+    return DraftPlan(
+        draft=ranking.widths(best),
+        verify_cap=best,
+        expected_tokens=float(ranking.expected_tokens[best]),
+        step_ms=float(ranking.step_ms[best]),
+    )

@@ -1,0 +1,93 @@
+"""Speculation policies (DESIGN.md section 2) as inputs and constraints to one planner and one allocator.
+
+| policy | draft bounds (lo, hi)        | verify               |
+|--------|------------------------------|----------------------|
+| ar     | (0, 0)                       | nothing to verify    |
+| static | (w, w), w = max width        | all drafted          |
+| dspark | (w, w)                       | post-draft sorted    |
+| wcs    | (0, w), estimator gains      | post-draft sorted    |
+| oracle | (a+1, a+1), a = true accepts | all drafted          |
+
+No policy has a code path of its own: each only chooses the bounds passed to
+`plan_step` and the verify floor passed to `distribute_verify_budget`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from scheduling.allocator import distribute_verify_budget
+from scheduling.cost_model import StepCostModel
+from scheduling.planner import DraftPlan, plan_step
+
+
+class PolicyName(StrEnum):
+    AR = "ar"
+    STATIC = "static"
+    DSPARK = "dspark"
+    WCS = "wcs"
+    ORACLE = "oracle"
+
+
+class StepLimits(BaseModel):
+    """System limits that bind every policy."""
+
+    token_budget: int | None = Field(default=None, ge=1, description="max target tokens per step")
+    time_cap_ms: float | None = Field(default=None, gt=0, description="max predicted step time (TPOT SLO)")
+
+
+class Policy(BaseModel):
+    name: PolicyName
+    k: int = Field(ge=1, description="drafter block size: the widest draft")
+
+    @property
+    def verifies_all_drafted(self) -> bool:
+        return self.name in (PolicyName.AR, PolicyName.STATIC, PolicyName.ORACLE)
+
+    def draft_bounds(
+        self, max_width: np.ndarray, oracle_accepted: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) per request; `max_width` (B,) caps widths (e.g. tokens left to generate - 1)."""
+        w = np.clip(np.asarray(max_width, dtype=np.int64), 0, self.k)
+        match self.name:
+            case PolicyName.AR:
+                zero = np.zeros_like(w)
+                return zero, zero
+            case PolicyName.STATIC | PolicyName.DSPARK:
+                return w, w
+            case PolicyName.WCS:
+                return np.zeros_like(w), w
+            case PolicyName.ORACLE:
+                if oracle_accepted is None:
+                    raise ValueError("the oracle policy needs the true accepted lengths (replay/simulation only)")
+                width = np.minimum(np.asarray(oracle_accepted, dtype=np.int64) + 1, w)
+                return width, width
+
+    def plan(
+        self,
+        survival: np.ndarray,
+        cost: StepCostModel,
+        limits: StepLimits,
+        max_width: np.ndarray,
+        oracle_accepted: np.ndarray | None = None,
+    ) -> DraftPlan:
+        lo, hi = self.draft_bounds(max_width, oracle_accepted)
+        return plan_step(
+            survival, cost, lo=lo, hi=hi, token_budget=limits.token_budget, time_cap_ms=limits.time_cap_ms
+        )
+
+    def verify(
+        self, post_survival: np.ndarray, plan: DraftPlan, cost: StepCostModel, limits: StepLimits
+    ) -> np.ndarray:
+        return distribute_verify_budget(
+            post_survival,
+            plan.draft,
+            cost,
+            verify_cap=plan.verify_cap,
+            min_verify=plan.draft if self.verifies_all_drafted else None,
+            token_budget=limits.token_budget,
+            time_cap_ms=limits.time_cap_ms,
+        )

@@ -1,0 +1,40 @@
+"""The `forespark` commands run as a user runs them: a subprocess of the installed entry point."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FORESPARK = shutil.which("forespark", path=str(Path(sys.executable).parent)) or "forespark"
+
+
+def run(*args, check=True):
+    return subprocess.run([FORESPARK, *args], capture_output=True, text=True, timeout=300, check=check)
+
+
+def test_bench_planner_writes_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run("bench", "planner", "--json", str(out), "--reps", "50", "--batches", "16,256", "--ks", "4,16")
+    assert "p50 us" in proc.stdout and "target p50" in proc.stdout
+    data = json.loads(out.read_text())
+    rows = {(r["batch"], r["k"]): r for r in data["results"]}
+    assert set(rows) == {(16, 4), (16, 16), (256, 4), (256, 16)}
+    for r in rows.values():
+        assert 0 < r["p50_us"] <= r["p99_us"]
+        assert 0 <= r["mean_verified"] <= r["mean_drafted"] <= r["k"]
+
+
+def test_demo_says_it_is_offline():
+    proc = run("demo", "--batches", "8", "--steps", "5")
+    assert "OFFLINE PLANNER DEMO" in proc.stdout and "no server is started" in proc.stdout
+    for policy in ("ar", "static", "dspark", "wcs", "oracle"):
+        assert policy in proc.stdout
+
+
+@pytest.mark.parametrize("args", [("bench", "planner", "--ks", "0"), ("bench", "planner", "--batches", "x"), ("nope",)])
+def test_bad_arguments_exit_2_with_a_message(args):
+    proc = run(*args, check=False)
+    assert proc.returncode == 2 and "error" in proc.stderr

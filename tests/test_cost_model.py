@@ -1,0 +1,74 @@
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from scheduling.cost_model import PiecewiseLinear, StepCostModel
+
+
+def true_step_ms(r, d, n):
+    """Separable and monotone, with knees: what a profiled engine step might look like."""
+    return 3.0 + 0.02 * r + np.where(d < 64, 0.01 * d, 0.64 + 0.05 * (d - 64)) + np.sqrt(n) * 0.4
+
+
+def grid_samples():
+    r, d, n = np.meshgrid([1, 4, 16, 64], [0, 16, 32, 64, 128, 256], [1, 16, 64, 256, 512, 1024], indexing="ij")
+    r, d, n = r.ravel(), d.ravel(), n.ravel()
+    return r, d, n, true_step_ms(r, d, n)
+
+
+def test_fit_interpolates_between_profiled_points():
+    r, d, n, ms = grid_samples()
+    model = StepCostModel.fit(r, d, n, ms)
+    assert np.max(np.abs(model.predict(r, d, n) - ms)) < 0.05
+    rng = np.random.default_rng(0)
+    qr, qd, qn = rng.integers(1, 64, 200), rng.integers(0, 256, 200), rng.integers(1, 1024, 200)
+    rel = np.abs(model.predict(qr, qd, qn) - true_step_ms(qr, qd, qn)) / true_step_ms(qr, qd, qn)
+    assert np.max(rel) < 0.05
+
+
+def test_fit_is_monotone_and_extrapolates_linearly():
+    r, d, n, ms = grid_samples()
+    model = StepCostModel.fit(r, d, n, ms)
+    grid = np.arange(0, 3000)
+    for values in (model.predict(8, grid, 100), model.predict(8, 10, grid), model.predict(grid, 10, 100)):
+        assert np.all(np.diff(values) >= -1e-12)
+    far = model.predict(8, 10, np.array([2000, 3000, 4000]))
+    assert far[2] - far[1] == pytest.approx(far[1] - far[0])
+
+
+def test_fit_recovers_an_exactly_linear_model():
+    rng = np.random.default_rng(1)
+    r, d, n = rng.integers(1, 64, 300), rng.integers(0, 512, 300), rng.integers(1, 2048, 300)
+    truth = StepCostModel.linear(4.0, 0.03, 0.01, 0.02)
+    model = StepCostModel.fit(r, d, n, truth.predict(r, d, n))
+    q = (np.array([5, 50]), np.array([7, 700]), np.array([9, 3000]))
+    np.testing.assert_allclose(model.predict(*q), truth.predict(*q), rtol=1e-6)
+
+
+def test_json_round_trip(tmp_path):
+    model = StepCostModel.fit(*grid_samples())
+    model.save(tmp_path / "cost.json")
+    back = StepCostModel.load(tmp_path / "cost.json")
+    assert back == model
+    np.testing.assert_array_equal(back.predict(3, 100, 400), model.predict(3, 100, 400))
+
+
+def test_planner_tables_agree_with_predict():
+    model = StepCostModel.fit(*grid_samples())
+    curve = model.prefix_curve(10, 5000, None)  # beyond the first table size: grows
+    k = np.arange(5001)
+    np.testing.assert_allclose(curve, model.predict(10, k, 10 + k))
+    fixed = model.prefix_curve(10, 50, 300)
+    np.testing.assert_allclose(fixed, model.predict(10, 300, 10 + np.arange(51)))
+    assert model.step_ms(3, 4, 5) == pytest.approx(float(model.predict(3, 4, 5)))
+
+
+def test_invalid_models_are_rejected():
+    with pytest.raises(ValidationError):
+        PiecewiseLinear(knots=[0, 1], slopes=[-1.0])
+    with pytest.raises(ValidationError):
+        PiecewiseLinear(knots=[0, 2, 1], slopes=[1.0, 1.0])
+    with pytest.raises(ValidationError):
+        StepCostModel(intercept_ms=-1.0)
+    with pytest.raises(ValueError):
+        StepCostModel.fit([1], [1, 2], [1], [1.0])

@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+
+from scheduling.cost_model import StepCostModel
+from scheduling.policies import Policy, PolicyName, StepLimits
+from scheduling.survival import survival_from_hazards
+
+COST = StepCostModel.linear(5.0, 0.01, 0.02, 0.05)
+K = 6
+
+
+def step(name, survival, post, max_width=None, oracle=None, limits=StepLimits()):
+    policy = Policy(name=name, k=K)
+    width = np.full(len(survival), K) if max_width is None else max_width
+    plan = policy.plan(survival, COST, limits, width, oracle)
+    return plan.draft, policy.verify(post, plan, COST, limits)
+
+
+@pytest.fixture
+def curves():
+    rng = np.random.default_rng(0)
+    return survival_from_hazards(rng.uniform(0.2, 0.99, (8, K))), survival_from_hazards(rng.uniform(0.2, 0.99, (8, K)))
+
+
+def test_ar_drafts_nothing(curves):
+    draft, verify = step("ar", *curves)
+    assert draft.sum() == 0 and verify.sum() == 0
+
+
+def test_static_drafts_and_verifies_the_full_block(curves):
+    draft, verify = step("static", *curves)
+    assert np.all(draft == K) and np.all(verify == K)
+
+
+def test_dspark_drafts_full_width_and_schedules_verification(curves):
+    pre, post = curves
+    draft, verify = step("dspark", pre, np.minimum(post, 0.3))  # low confidence: verify less
+    assert np.all(draft == K) and verify.sum() < draft.sum()
+
+
+def test_wcs_drafts_per_request_widths(curves):
+    pre, post = curves
+    draft, verify = step("wcs", pre, post)
+    assert len(set(draft.tolist())) > 1 and np.all(verify <= draft)
+    # Requests with higher survival get at least as wide a draft (same gain order as the sort).
+    top = np.argmax(pre[:, 2])
+    bottom = np.argmin(pre[:, 2])
+    assert draft[top] >= draft[bottom]
+
+
+def test_oracle_drafts_true_accepted_plus_one(curves):
+    accepted = np.array([0, 1, 2, 3, 4, 5, 6, 6])
+    draft, verify = step("oracle", *curves, oracle=accepted)
+    assert draft.tolist() == np.minimum(accepted + 1, K).tolist() and np.all(verify == draft)
+    with pytest.raises(ValueError, match="oracle"):
+        step("oracle", *curves)
+
+
+def test_max_width_caps_every_policy(curves):
+    cap = np.array([0, 1, 2, 3, 6, 6, 6, 6])
+    for name in ("static", "dspark", "wcs"):
+        draft, _ = step(name, *curves, max_width=cap)
+        assert np.all(draft <= cap)
+
+
+def test_limits_bind_every_policy(curves):
+    limits = StepLimits(token_budget=8 + 10)
+    for name in PolicyName:
+        oracle = np.full(8, K) if name == "oracle" else None
+        draft, verify = step(name, *curves, oracle=oracle, limits=limits)
+        assert 8 + verify.sum() <= 18 and draft.sum() <= 10
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError):
+        Policy(name="greedy", k=4)

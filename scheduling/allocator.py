@@ -1,10 +1,11 @@
 """Post-draft verify-budget distribution (DESIGN.md section 1.3 and "Losslessness").
 
 After the draft pass, the drafter's own confidences give refined survival
-curves over the drafted tokens. Slots are admitted in global-sort order and
-admission stops at the first slot that would lower expected tokens per ms (or
-break a budget): admission continues only while the objective strictly rises. Whether slot (i, j) is verified then depends only on slots
-sorted before it, which never include (i, j') for j' > j: with confidences
+curves over the drafted tokens. Slots are admitted in global-sort order while
+each one strictly raises expected tokens per ms and fits the budgets; the
+first that does not stops admission. Whether slot (i, j) is verified then
+depends only on slots sorted before it, which never include (i, j') for
+j' > j: with confidences
 computed from x_<j (never from the token x_j itself) this is a stopping time
 and speculative sampling stays exact. A retrospective argmax over all prefixes
 would look at later slots and is not allowed here.
@@ -36,17 +37,17 @@ def distribute_verify_budget(
     information before each position (e.g. the cumulative product of the
     draft distribution's max probability per position).
     """
-    survival = np.asarray(survival, dtype=np.float64)
+    survival = np.asarray(survival)
     if validate:
         check_survival(survival)
     b, k = survival.shape
     lo, hi = bounds(b, k, min_verify, drafted)
     ranking = rank_slots(
-        survival, cost, lo=lo, hi=hi, drafted_tokens=int(np.add.reduce(hi)), token_budget=token_budget, time_cap_ms=time_cap_ms
+        survival, cost, lo=lo, hi=hi, drafted_tokens=int(np.add.reduce(hi)), token_budget=token_budget, time_cap_ms=time_cap_ms,
     )
     limit = ranking.feasible_upto if verify_cap is None else min(ranking.feasible_upto, int(verify_cap))
     first = min(ranking.n_forced, limit)
-    ratio = ranking.ratio[first : limit + 1]
+    ratio = ranking.scaled_ratio(limit)[first:]
     drops = ratio[1:] <= ratio[:-1]
     stop = first + (int(drops.argmax()) if drops.any() else limit - first)
     return ranking.widths(stop)

@@ -170,6 +170,7 @@ class _LookupTables:
 
     def prefix_curve(self, r: int, num_slots: int, drafted_tokens: int | None) -> np.ndarray:
         self._ensure(max(r + num_slots, drafted_tokens or 0))
+        base, draft, _ = self._lists
         if drafted_tokens is None:
-            return (self.base[r] + self.draft[: num_slots + 1]) + self.target[r : r + num_slots + 1]
-        return (self.base[r] + self.draft[drafted_tokens]) + self.target[r : r + num_slots + 1]
+            return (base[r] + self.draft[: num_slots + 1]) + self.target[r : r + num_slots + 1]
+        return (base[r] + draft[drafted_tokens]) + self.target[r : r + num_slots + 1]

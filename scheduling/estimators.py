@@ -66,6 +66,11 @@ class ConstantEstimator(SurvivalEstimator):
     def hazards(self) -> np.ndarray:
         return self._acc / self._risk
 
+    @property
+    def pooled_rate(self) -> float:
+        """Per-token acceptance rate over all positions."""
+        return float(self._acc.sum() / self._risk.sum())
+
     def predict(self, inputs: PreDraftInputs) -> np.ndarray:
         return np.broadcast_to(survival_from_hazards(self.hazards), (inputs.batch_size, self.k)).copy()
 
@@ -88,9 +93,8 @@ class EWMAEstimator(SurvivalEstimator):
         return self
 
     def predict(self, inputs: PreDraftInputs) -> np.ndarray:
+        relative = np.where(np.isnan(inputs.history), 1.0, inputs.history / max(self._constant.pooled_rate, 1e-6))
         hazards = self._constant.hazards
-        global_rate = float(self._constant._acc.sum() / self._constant._risk.sum())
-        relative = np.where(np.isnan(inputs.history), 1.0, inputs.history / max(global_rate, 1e-6))
         return survival_from_hazards(np.clip(hazards[None, :] * relative[:, None], 0.0, 1.0))
 
     def update(self, inputs: PreDraftInputs, drafted: np.ndarray, accepted: np.ndarray) -> None:

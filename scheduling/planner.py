@@ -58,19 +58,19 @@ def plan_step(
     system's limits win over a policy's fixed width. `validate=False` skips
     `check_survival` for curves built by `survival_from_hazards`.
     """
-    survival = np.asarray(survival, dtype=np.float64)
+    survival = np.asarray(survival)
     if validate:
         check_survival(survival)
     b, k = survival.shape
     lo_, hi_ = bounds(b, k, lo, hi)
     ranking = rank_slots(
-        survival, cost, lo=lo_, hi=hi_, drafted_tokens=None, token_budget=token_budget, time_cap_ms=time_cap_ms
+        survival, cost, lo=lo_, hi=hi_, drafted_tokens=None, token_budget=token_budget, time_cap_ms=time_cap_ms,
     )
     first = min(ranking.n_forced, ranking.feasible_upto)
-    best = first + int(ranking.ratio[first : ranking.feasible_upto + 1].argmax())
+    best = first + int(ranking.scaled_ratio(ranking.feasible_upto)[first:].argmax())
     return DraftPlan(
         draft=ranking.widths(best),
         verify_cap=best,
-        expected_tokens=float(ranking.expected_tokens[best]),
+        expected_tokens=ranking.expected_tokens(best),
         step_ms=float(ranking.step_ms[best]),
     )

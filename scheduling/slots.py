@@ -35,40 +35,40 @@ class SlotRanking:
     k: int  # row length of the flat index
     n_forced: int  # the first n_forced slots are forced
     batch_size: int
-    expected_tokens: np.ndarray  # (M+1,) R + gain of the first k slots
+    gain_levels: np.ndarray  # (M+1,) int64: sum of the first k slots' gains, in units of 1/_LEVELS
     step_ms: np.ndarray  # (M+1,) predicted step time with the first k slots
     feasible_upto: int  # largest k meeting the token budget and time cap (0 when none does)
 
-    @property
-    def ratio(self) -> np.ndarray:
-        return self.expected_tokens / self.step_ms
+    def expected_tokens(self, n_admitted: int) -> float:
+        return self.batch_size + float(self.gain_levels[n_admitted]) / _LEVELS
+
+    def scaled_ratio(self, upto: int) -> np.ndarray:
+        """Expected tokens per ms for k = 0..upto, times _LEVELS: argmax and rises are all we need."""
+        return (self.gain_levels[: upto + 1] + self.batch_size * _LEVELS) / self.step_ms[: upto + 1]
 
     def widths(self, n_admitted: int) -> np.ndarray:
         """Per-request count of slots among the first `n_admitted` (a prefix of positions by construction)."""
-        return np.bincount(self.slots[:n_admitted] // self.k, minlength=self.batch_size)
+        admitted = self.slots[:n_admitted]
+        k = self.k
+        rows = admitted >> (k.bit_length() - 1) if k & (k - 1) == 0 else admitted // k  # shifts are cheaper
+        return np.bincount(rows, minlength=self.batch_size)
 
 
-def gain_floor(cost: StepCostModel, num_requests: int, drafted_tokens: int | None) -> float:
-    """No slot with a smaller gain is ever admitted when there are no forced slots.
-
-    If slot k is admitted, ratio_k > ratio_{k-1} (the argmax takes the first
-    maximum, the early stop needs a strict rise), and ratio_k is the mediant of
-    ratio_{k-1} and g_k / dT_k, so g_k > ratio_k * dT_k >= ratio_0 * min dT.
-    Leaving such slots out of the sort changes no decision and shrinks it.
-    """
-    t0 = cost.step_ms(num_requests, drafted_tokens or 0, num_requests)
-    return num_requests / t0 * cost.min_slot_ms(drafted=drafted_tokens is None)
+def _level_at_least(gain: float) -> int:
+    """Smallest gain level that can be >= gain (a hair low, so float rounding never prunes a candidate)."""
+    return max(1, math.ceil(gain * _LEVELS * (1.0 - 1e-9)))
 
 
 @functools.cache
-def _prefix_masks(k: int) -> np.ndarray:
-    return np.arange(k)[None, :] < np.arange(k + 1)[:, None]
+def _prefix_tables(k: int) -> tuple[np.ndarray, np.ndarray]:
+    mask = np.arange(k)[None, :] < np.arange(k + 1)[:, None]
+    return mask, mask * float(_LEVELS)
 
 
 def prefix_mask(widths: np.ndarray, k: int) -> np.ndarray:
-    """(B, k) booleans, row i true on its first widths[i] positions (a table lookup: broadcasting
-    a comparison over short rows is several times slower)."""
-    return _prefix_masks(k)[widths]
+    """(B, k) booleans, row i true on its first widths[i] positions (a table lookup:
+    broadcasting a comparison over short rows is several times slower)."""
+    return _prefix_tables(k)[0][widths]
 
 
 def check_survival(survival: np.ndarray) -> None:
@@ -97,27 +97,33 @@ def rank_slots(
     Slot (i, j) is forced when j < lo_i and admissible when j < hi_i (`None`:
     no forced slots / every position admissible). `drafted_tokens=None`: each
     admitted slot is also drafted (pre-draft); an int fixes D (post-draft).
-    Without forced slots, slots under `gain_floor` or with gain level 0 never
-    enter the sort. The caller has checked `survival` (see `check_survival`).
+    Without forced slots, slots that neither the best-prefix argmax nor the
+    early stop can admit never enter the sort.
+    The caller has checked `survival` (see `check_survival`).
     """
     b, k = survival.shape
     if hi is not None:
         k = min(k, int(np.maximum.reduce(hi, initial=0)))
     n_forced = 0 if lo is None else int(np.add.reduce(lo))
-    levels = (survival[:, :k] * _LEVELS).astype(np.uint16)
     if n_forced:
+        levels = (survival[:, :k] * _LEVELS).astype(np.uint16)
         key = (_LEVELS + 1) - levels
         key[prefix_mask(lo, k)] = 0
         if hi is not None:
             key[~prefix_mask(hi, k)] = 65535
         slots = key.ravel().argsort(kind="stable")[: b * k if hi is None else int(np.add.reduce(hi))]
     else:
-        if hi is not None:
-            np.multiply(levels, prefix_mask(hi, k), out=levels)
-        floor = max(1, math.ceil(gain_floor(cost, b, drafted_tokens) * _LEVELS * (1.0 - 1e-9)))
+        # Positions at or past hi_i get gain level 0, which the pruning below drops.
+        scale = _LEVELS if hi is None else _prefix_tables(k)[1][hi]
+        levels = (survival[:, :k] * scale).astype(np.uint16)
+        # Pruning (exact): the last slot k either rule admits raises the objective, and ratio_k is
+        # the mediant of ratio_{k-1} and g_k / dT_k, so g_k > ratio_k * dT_k >= ratio_0 * min dT;
+        # every admitted slot gains at least g_k.
         flat = levels.ravel()
-        kept = (flat >= floor).nonzero()[0]
-        slots = kept[(~flat[kept]).argsort(kind="stable")]  # ~level = 65535 - level: descending gain
+        ratio_0 = b / cost.step_ms(b, drafted_tokens or 0, b)
+        kept = (flat >= _level_at_least(ratio_0 * cost.min_slot_ms(drafted=drafted_tokens is None))).nonzero()[0]
+        gains = flat[kept]
+        slots = kept[(~gains).argsort(kind="stable")]  # ~level = 65535 - level: descending gain
     m = len(slots)
     cum = np.zeros(m + 1, dtype=np.int64)
     levels.ravel()[slots].cumsum(dtype=np.int64, out=cum[1:])
@@ -133,7 +139,7 @@ def rank_slots(
         k=max(k, 1),
         n_forced=n_forced,
         batch_size=b,
-        expected_tokens=b + cum / _LEVELS,
+        gain_levels=cum,
         step_ms=step_ms,
         feasible_upto=max(upto, 0),
     )

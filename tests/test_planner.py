@@ -177,6 +177,6 @@ def test_retrospective_argmax_breaks_the_stopping_rule():
             survival, cost, lo=None, hi=None, drafted_tokens=int(drafted.sum()),
             token_budget=len(drafted) + 4, time_cap_ms=None,
         )
-        return ranking.widths(int(np.argmax(ranking.ratio[: ranking.feasible_upto + 1])))
+        return ranking.widths(int(np.argmax(ranking.scaled_ratio(ranking.feasible_upto))))
 
     assert _stopping_rule_violations(argmax_rule, COSTS["falling-marginal"], 1000, seed=5) >= 5

@@ -106,9 +106,9 @@ def retrospective_argmax_rule(step: StepDraft, rng: np.random.Generator) -> tupl
     drafted = np.full(b, K)
     survival = survival_from_hazards(step.own_token_confidence())
     ranking = rank_slots(
-        survival, COST, lo=None, hi=None, drafted_tokens=int(drafted.sum()), token_budget=LIMITS.token_budget, time_cap_ms=None
+        survival, COST, lo=None, hi=None, drafted_tokens=int(drafted.sum()), token_budget=LIMITS.token_budget, time_cap_ms=None,
     )
-    best = int(np.argmax(ranking.ratio[: ranking.feasible_upto + 1]))
+    best = int(np.argmax(ranking.scaled_ratio(ranking.feasible_upto)))
     return drafted, ranking.widths(best)
 
 

@@ -2,6 +2,10 @@
 
     forespark demo                       offline planner demo (no server; what `make serve` runs for now)
     forespark bench planner [--json P]   decision time of the WCS planner per engine step
+    forespark models build [--check]     train the embedded target + drafter from the standard library
+    forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
+    forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
+    forespark models workloads           rewrite the shipped workload prompts from held-out text
 """
 
 from __future__ import annotations
@@ -54,6 +58,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_build(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from replicas.models.build import WEIGHTS_DIR, BuildReport, build, compare_reports
+
+    if not args.check:
+        report = build(Path(args.out), reuse_target=args.reuse_target)
+        print(report.model_dump_json(indent=2))
+        return 0
+    reference = BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        rebuilt = build(Path(tmp), reference.spec)
+    problems = compare_reports(reference, rebuilt)
+    for domain, q in rebuilt.domains.items():
+        ref = reference.domains[domain]
+        print(
+            f"{domain}: perplexity {q.perplexity:.2f} (shipped {ref.perplexity:.2f}), "
+            f"mean accepted length {q.mean_accepted_length:.2f} (shipped {ref.mean_accepted_length:.2f})"
+        )
+    for p in problems:
+        print(f"MISMATCH {p}", file=sys.stderr)
+    print("rebuild matches the shipped models" if not problems else "rebuild differs from the shipped models")
+    return 0 if not problems else 1
+
+
+def cmd_models_bench(args: argparse.Namespace) -> int:
+    from replicas.models.bench import format_models_bench, run_models_bench
+
+    widths = list(args.widths) if args.widths else None
+    result = run_models_bench(widths=widths, prompts_per_domain=args.prompts, progress=lambda msg: print(msg, flush=True))
+    print(format_models_bench(result))
+    _write_json(args.json, result.model_dump())
+    return 0
+
+
+def cmd_models_traces(args: argparse.Namespace) -> int:
+    from replicas.models.trace_recorder import record_traces
+    from scheduling.evaluation import compare_estimators, format_comparison
+
+    traces, domains = record_traces(prompts_per_domain=args.prompts, repeats=args.repeats)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    traces.save(args.out)
+    print(f"recorded {len(traces)} verification steps ({', '.join(f'{d}: {(domains == d).sum()}' for d in sorted(set(domains)))}); wrote {args.out}")
+    reports = compare_estimators(traces)
+    print(format_comparison(reports))
+    _write_json(args.json, {name: {"mean_auc": r.mean_auc, "mean_brier": r.mean_brier, "mean_ece": r.mean_ece, **r.model_dump()} for name, r in reports.items()})
+    return 0
+
+
+def cmd_models_workloads(args: argparse.Namespace) -> int:
+    from replicas.models.corpus import load_corpus
+    from replicas.models.workloads import WORKLOADS_DIR, build_workloads, write_workloads
+
+    write_workloads(build_workloads(load_corpus(), per_domain=args.per_domain))
+    print(f"wrote {WORKLOADS_DIR}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forespark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--ks", type=_int_list, default=(4, 8, 16), help="comma-separated block sizes")
     planner.add_argument("--reps", type=int, default=3000, help="timed decisions per configuration")
     planner.set_defaults(func=cmd_bench_planner)
+
+    models = sub.add_parser("models", help="the embedded target and drafter")
+    models_sub = models.add_subparsers(dest="models", required=True)
+    mbuild = models_sub.add_parser("build", help="train tokenizer, target and drafter (about 15 minutes on 2 cores)")
+    mbuild.add_argument("--out", default="replicas/models/weights", help="output folder")
+    mbuild.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare with the shipped report")
+    mbuild.add_argument("--reuse-target", action="store_true", help="retrain only the drafter against the target in --out")
+    mbuild.set_defaults(func=cmd_models_build)
+    mbench = models_sub.add_parser("bench", help="acceptance per domain and draft width through vLLM")
+    mbench.add_argument("--json", metavar="PATH", help="write results here")
+    mbench.add_argument("--widths", type=_int_list, default=None, help="comma-separated widths (default 1..block)")
+    mbench.add_argument("--prompts", type=int, default=24, help="prompts per domain")
+    mbench.set_defaults(func=cmd_models_bench)
+    mtraces = models_sub.add_parser("traces", help="record acceptance traces through vLLM and score the estimators")
+    mtraces.add_argument("--out", default="results/traces.npz", help="where the traces go (.npz)")
+    mtraces.add_argument("--json", metavar="PATH", help="write the estimator comparison here")
+    mtraces.add_argument("--prompts", type=int, default=64, help="prompts per domain")
+    mtraces.add_argument("--repeats", type=int, default=2, help="sampled generations per prompt")
+    mtraces.set_defaults(func=cmd_models_traces)
+    mwork = models_sub.add_parser("workloads", help="rewrite replicas/models/workloads/*.jsonl from held-out text")
+    mwork.add_argument("--per-domain", type=int, default=64)
+    mwork.set_defaults(func=cmd_models_workloads)
     return parser
 
 

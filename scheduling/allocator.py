@@ -30,12 +30,15 @@ def distribute_verify_budget(
     token_budget: int | None = None,
     time_cap_ms: float | None = None,
     validate: bool = True,
+    drafted_slots: np.ndarray | None = None,
 ) -> np.ndarray:
     """Verify lengths v_i, min_verify_i <= v_i <= drafted_i, sum v <= verify_cap.
 
     `survival` (B, K) are post-draft survival estimates built only from
     information before each position (e.g. the cumulative product of the
-    draft distribution's max probability per position).
+    draft distribution's max probability per position). `drafted_slots`, a
+    plan's `slots`, names the drafted positions directly and saves finding
+    them (it must agree with `drafted`; ignored with `min_verify`).
     """
     survival = np.asarray(survival)
     if validate:
@@ -43,7 +46,14 @@ def distribute_verify_budget(
     b, k = survival.shape
     lo, hi = bounds(b, k, min_verify, drafted)
     ranking = rank_slots(
-        survival, cost, lo=lo, hi=hi, drafted_tokens=int(np.add.reduce(hi)), token_budget=token_budget, time_cap_ms=time_cap_ms,
+        survival,
+        cost,
+        lo=lo,
+        hi=hi,
+        drafted_tokens=int(np.add.reduce(hi)),
+        token_budget=token_budget,
+        time_cap_ms=time_cap_ms,
+        candidates=drafted_slots if min_verify is None else None,
     )
     limit = ranking.feasible_upto if verify_cap is None else min(ranking.feasible_upto, int(verify_cap))
     first = min(ranking.n_forced, limit)

@@ -65,7 +65,8 @@ def time_planner(batch: int, k: int, reps: int, seed: int = 0) -> PlannerTiming:
         t0 = time.perf_counter()
         plan = plan_step(pre, cost, token_budget=budget, validate=False)
         verify = distribute_verify_budget(
-            post, plan.draft, cost, verify_cap=plan.verify_cap, token_budget=budget, validate=False
+            post, plan.draft, cost, verify_cap=plan.verify_cap, token_budget=budget, validate=False,
+            drafted_slots=plan.slots,
         )
         t1 = time.perf_counter()
         warm = n - reps // 10

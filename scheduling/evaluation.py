@@ -81,3 +81,19 @@ def evaluate(estimator, traces: Traces, min_rows: int = 20) -> EstimatorReport:
             )
         )
     return EstimatorReport(estimator=getattr(estimator, "name", type(estimator).__name__), positions=scores)
+
+
+def compare_estimators(traces: Traces, holdout_fraction: float = 0.3, seed: int = 0) -> dict[str, EstimatorReport]:
+    """Fit every estimator on the training requests and score it on the held-out ones."""
+    from scheduling.estimators import ESTIMATORS
+
+    train, test = traces.split_by_request(holdout_fraction, seed=seed)
+    return {name: evaluate(cls(traces.k).fit(train), test) for name, cls in ESTIMATORS.items()}
+
+
+def format_comparison(reports: dict[str, EstimatorReport]) -> str:
+    lines = [f"{'estimator':>10} {'mean AUC':>9} {'Brier':>8} {'ECE':>8}   AUC per position"]
+    for name, r in reports.items():
+        per = " ".join("  -  " if p.auc is None else f"{p.auc:.3f}" for p in r.positions)
+        lines.append(f"{name:>10} {r.mean_auc:>9.3f} {r.mean_brier:>8.4f} {r.mean_ece:>8.4f}   {per}")
+    return "\n".join(lines)

@@ -21,6 +21,7 @@ from scheduling.slots import check_survival, rank_slots
 @dataclass(slots=True)
 class DraftPlan:
     draft: np.ndarray  # (B,) draft width per request
+    slots: np.ndarray  # flat indices i * K + j of the drafted slots, each request's positions ascending
     verify_cap: int  # verify tokens the post-draft stage may spend in total
     expected_tokens: float  # R + sum of admitted gains
     step_ms: float  # predicted step time
@@ -70,6 +71,7 @@ def plan_step(
     best = first + int(ranking.scaled_ratio(ranking.feasible_upto)[first:].argmax())
     return DraftPlan(
         draft=ranking.widths(best),
+        slots=ranking.admitted(best, k),
         verify_cap=best,
         expected_tokens=ranking.expected_tokens(best),
         step_ms=float(ranking.step_ms[best]),

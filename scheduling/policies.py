@@ -90,4 +90,5 @@ class Policy(BaseModel):
             min_verify=plan.draft if self.verifies_all_drafted else None,
             token_budget=limits.token_budget,
             time_cap_ms=limits.time_cap_ms,
+            drafted_slots=plan.slots,
         )

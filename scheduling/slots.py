@@ -46,6 +46,11 @@ class SlotRanking:
         """Expected tokens per ms for k = 0..upto, times _LEVELS: argmax and rises are all we need."""
         return (self.gain_levels[: upto + 1] + self.batch_size * _LEVELS) / self.step_ms[: upto + 1]
 
+    def admitted(self, n_admitted: int, row_length: int) -> np.ndarray:
+        """Flat indices i * row_length + j of the first `n_admitted` slots."""
+        slots = self.slots[:n_admitted]
+        return slots if row_length == self.k else (slots // self.k) * row_length + slots % self.k
+
     def widths(self, n_admitted: int) -> np.ndarray:
         """Per-request count of slots among the first `n_admitted` (a prefix of positions by construction)."""
         admitted = self.slots[:n_admitted]
@@ -91,42 +96,50 @@ def rank_slots(
     drafted_tokens: int | None,
     token_budget: int | None,
     time_cap_ms: float | None,
+    candidates: np.ndarray | None = None,
 ) -> SlotRanking:
     """Sort admissible slots and score every prefix.
 
     Slot (i, j) is forced when j < lo_i and admissible when j < hi_i (`None`:
-    no forced slots / every position admissible). `drafted_tokens=None`: each
-    admitted slot is also drafted (pre-draft); an int fixes D (post-draft).
-    Without forced slots, slots that neither the best-prefix argmax nor the
-    early stop can admit never enter the sort.
+    no forced slots / every position admissible). `candidates` may instead
+    name the admissible slots directly (flat indices i * K + j in an order
+    where each request's positions ascend, e.g. a plan's drafted slots).
+    `drafted_tokens=None`: each admitted slot is also drafted (pre-draft); an
+    int fixes D (post-draft). Without forced slots, slots that neither the
+    best-prefix argmax nor the early stop can admit never enter the sort.
     The caller has checked `survival` (see `check_survival`).
     """
     b, k = survival.shape
-    if hi is not None:
-        k = min(k, int(np.maximum.reduce(hi, initial=0)))
     n_forced = 0 if lo is None else int(np.add.reduce(lo))
-    if n_forced:
-        levels = (survival[:, :k] * _LEVELS).astype(np.uint16)
-        key = (_LEVELS + 1) - levels
-        key[prefix_mask(lo, k)] = 0
-        if hi is not None:
-            key[~prefix_mask(hi, k)] = 65535
-        slots = key.ravel().argsort(kind="stable")[: b * k if hi is None else int(np.add.reduce(hi))]
+    if candidates is not None:
+        base, base_levels = candidates, (survival.ravel()[candidates] * _LEVELS).astype(np.uint16)
     else:
-        # Positions at or past hi_i get gain level 0, which the pruning below drops.
-        scale = _LEVELS if hi is None else _prefix_tables(k)[1][hi]
-        levels = (survival[:, :k] * scale).astype(np.uint16)
-        # Pruning (exact): the last slot k either rule admits raises the objective, and ratio_k is
-        # the mediant of ratio_{k-1} and g_k / dT_k, so g_k > ratio_k * dT_k >= ratio_0 * min dT;
-        # every admitted slot gains at least g_k.
-        flat = levels.ravel()
-        ratio_0 = b / cost.step_ms(b, drafted_tokens or 0, b)
-        kept = (flat >= _level_at_least(ratio_0 * cost.min_slot_ms(drafted=drafted_tokens is None))).nonzero()[0]
-        gains = flat[kept]
-        slots = kept[(~gains).argsort(kind="stable")]  # ~level = 65535 - level: descending gain
+        if hi is not None:
+            k = min(k, int(np.maximum.reduce(hi, initial=0)))
+        if n_forced:
+            levels = (survival[:, :k] * _LEVELS).astype(np.uint16)
+            key = (_LEVELS + 1) - levels
+            key[prefix_mask(lo, k)] = 0
+            if hi is not None:
+                key[~prefix_mask(hi, k)] = 65535
+            slots = key.ravel().argsort(kind="stable")[: b * k if hi is None else int(np.add.reduce(hi))]
+            gains = levels.ravel()[slots]
+        else:
+            # Positions at or past hi_i get gain level 0, which the pruning below drops.
+            scale = _LEVELS if hi is None else _prefix_tables(k)[1][hi]
+            flat = (survival[:, :k] * scale).astype(np.uint16).ravel()
+            # Pruning (exact): the last slot k either rule admits raises the objective, and ratio_k is
+            # the mediant of ratio_{k-1} and g_k / dT_k, so g_k > ratio_k * dT_k >= ratio_0 * min dT;
+            # every admitted slot gains at least g_k.
+            ratio_0 = b / cost.step_ms(b, drafted_tokens or 0, b)
+            base = (flat >= _level_at_least(ratio_0 * cost.min_slot_ms(drafted=drafted_tokens is None))).nonzero()[0]
+            base_levels = flat[base]
+    if candidates is not None or not n_forced:
+        order = (~base_levels).argsort(kind="stable")  # ~level = 65535 - level: descending gain, stable
+        slots, gains = base[order], base_levels[order]
     m = len(slots)
     cum = np.zeros(m + 1, dtype=np.int64)
-    levels.ravel()[slots].cumsum(dtype=np.int64, out=cum[1:])
+    gains.cumsum(dtype=np.int64, out=cum[1:])
     step_ms = cost.prefix_curve(b, m, drafted_tokens)
     # Both constraints are monotone in k, so the feasible set is a prefix.
     upto = m

@@ -5,18 +5,13 @@ import numpy as np
 import pytest
 
 from scheduling.estimators import ConstantEstimator, ContextEstimator, EWMAEstimator
-from scheduling.evaluation import auc, brier, ece, evaluate
+from scheduling.evaluation import auc, brier, compare_estimators, ece, evaluate
 from scheduling.survival import sigmoid
 from scheduling.traces import AcceptanceHistory, PreDraftInputs, Traces, synthetic_traces
 
 
-def fitted_reports(traces):
-    train, test = traces.split_by_request(0.3, seed=0)
-    return {cls.name: evaluate(cls(traces.k).fit(train), test) for cls in (ConstantEstimator, EWMAEstimator, ContextEstimator)}
-
-
 def test_context_model_beats_constant_and_history_baselines():
-    reports = fitted_reports(synthetic_traces(feature_strength=2.0, request_spread=0.5, seed=1))
+    reports = compare_estimators(synthetic_traces(feature_strength=2.0, request_spread=0.5, seed=1))
     ctx = reports["context"]
     for baseline in ("constant", "ewma"):
         assert ctx.mean_auc > reports[baseline].mean_auc + 0.1
@@ -26,13 +21,13 @@ def test_context_model_beats_constant_and_history_baselines():
 
 def test_negative_control_no_signal_no_gain():
     """Features and history carry nothing: the context model must not look better than the constant."""
-    reports = fitted_reports(synthetic_traces(feature_strength=0.0, request_spread=0.0, seed=2))
+    reports = compare_estimators(synthetic_traces(feature_strength=0.0, request_spread=0.0, seed=2))
     assert abs(reports["context"].mean_auc - 0.5) < 0.05
     assert reports["context"].mean_brier > 0.98 * reports["constant"].mean_brier
 
 
 def test_history_baseline_sees_persistent_request_effects():
-    reports = fitted_reports(synthetic_traces(feature_strength=0.0, request_spread=1.5, seed=3))
+    reports = compare_estimators(synthetic_traces(feature_strength=0.0, request_spread=1.5, seed=3))
     assert reports["ewma"].mean_auc > reports["constant"].mean_auc + 0.1
 
 

@@ -180,3 +180,20 @@ def test_retrospective_argmax_breaks_the_stopping_rule():
         return ranking.widths(int(np.argmax(ranking.scaled_ratio(ranking.feasible_upto))))
 
     assert _stopping_rule_violations(argmax_rule, COSTS["falling-marginal"], 1000, seed=5) >= 5
+
+
+def test_verify_with_the_plans_slots_equals_the_general_path():
+    rng = np.random.default_rng(9)
+    for cost in COSTS.values():
+        for _ in range(100):
+            b, k = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+            pre = survival_from_hazards(rng.uniform(0.1, 1.0, (b, k)))
+            post = survival_from_hazards(rng.uniform(0.1, 1.0, (b, k)))
+            hi = rng.integers(0, k + 1, b)
+            plan = plan_step(pre, cost, hi=hi)
+            budget = int(rng.integers(b, b + plan.verify_cap + 2))
+            general = distribute_verify_budget(post, plan.draft, cost, verify_cap=plan.verify_cap, token_budget=budget)
+            fast = distribute_verify_budget(
+                post, plan.draft, cost, verify_cap=plan.verify_cap, token_budget=budget, drafted_slots=plan.slots
+            )
+            assert fast.tolist() == general.tolist()

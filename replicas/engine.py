@@ -1,0 +1,68 @@
+"""vLLM engine configuration for a replica: the embedded CPU default and what vLLM is handed.
+
+The same pydantic object goes from the serving layer's config file to the
+engine, so every setting has one home and one default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from replicas.models.build import WEIGHTS_DIR
+
+
+def cpu_engine_environment() -> None:
+    """Process settings the CPU build needs (set before vLLM is imported)."""
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class DrafterConfig(BaseModel):
+    path: Path = WEIGHTS_DIR / "drafter"
+    method: str = "dflash"
+    num_speculative_tokens: int = Field(default=8, ge=1, description="widest draft (the drafter's block)")
+
+
+class EngineConfig(BaseModel):
+    model: Path = WEIGHTS_DIR / "target"
+    drafter: DrafterConfig | None = Field(default_factory=DrafterConfig)
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    kv_cache_memory_bytes: int = Field(default=256 << 20, description="always set: the CPU build otherwise takes most of RAM")
+    enforce_eager: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": str(self.model),
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "disable_log_stats": False,
+        }
+        if self.drafter is not None:
+            kwargs["speculative_config"] = {
+                "method": self.drafter.method,
+                "model": str(self.drafter.path),
+                "num_speculative_tokens": self.drafter.num_speculative_tokens,
+            }
+        return kwargs
+
+
+def make_llm(config: EngineConfig):
+    """An offline `vllm.LLM` for this config (in-process on the CPU build)."""
+    cpu_engine_environment()
+    from vllm import LLM
+
+    return LLM(**config.vllm_kwargs())

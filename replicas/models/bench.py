@@ -1,0 +1,136 @@
+"""`forespark models bench`: acceptance of the embedded drafter through the real vLLM CPU engine.
+
+For each draft width w it starts an engine with `num_speculative_tokens = w`,
+generates the shipped workloads greedily one domain at a time, and reads vLLM's
+own speculative-decoding counters: per-position acceptance (the share of
+drafts whose first j tokens were all accepted) and mean accepted length
+(accepted drafts + the bonus token per verification step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from replicas.engine import DrafterConfig, EngineConfig, make_llm
+from replicas.models.corpus import DOMAINS
+from replicas.models.workloads import load_workloads
+
+
+class SpecCounters(BaseModel):
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = []
+
+    def minus(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
+        return SpecCounters(
+            drafts=self.drafts - other.drafts,
+            draft_tokens=self.draft_tokens - other.draft_tokens,
+            accepted=self.accepted - other.accepted,
+            accepted_per_pos=[a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+        )
+
+
+def read_spec_counters(llm) -> SpecCounters:
+    out = SpecCounters()
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            out.drafts = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            out.draft_tokens = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            out.accepted = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out.accepted_per_pos = [int(v) for v in metric.values]
+    return out
+
+
+class WidthResult(BaseModel):
+    mean_accepted_length: float  # accepted drafts + bonus per verification step
+    per_position: list[float]  # P(first j drafts accepted), j = 1..w
+    drafts: int
+
+
+class DomainBench(BaseModel):
+    mean_accepted_full_width: float
+    per_width: dict[str, WidthResult]
+
+    def truncated_full_width(self, w: int, block: int) -> float:
+        """Mean accepted length the full block would give if only its first w drafts counted."""
+        return 1.0 + sum(self.per_width[str(block)].per_position[:w])
+
+
+class ModelsBench(BaseModel):
+    block: int
+    prompts_per_domain: int
+    domains: dict[str, DomainBench]
+    width_robustness: dict[str, dict[str, float]]  # domain -> w -> relative gap to the truncated full block
+    domain_gap: float  # relative difference of full-width mean accepted length between the domains
+
+
+def run_models_bench(
+    widths: list[int] | None = None,
+    prompts_per_domain: int = 24,
+    engine: EngineConfig | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ModelsBench:
+    from vllm import SamplingParams
+
+    engine = engine or EngineConfig()
+    block = engine.drafter.num_speculative_tokens if engine.drafter else DrafterConfig().num_speculative_tokens
+    widths = sorted(set(widths or range(1, block + 1)) | {block})
+    prompts = {d: load_workloads()[d][:prompts_per_domain] for d in DOMAINS}
+    per_domain: dict[str, dict[str, WidthResult]] = {d: {} for d in DOMAINS}
+    for w in widths:
+        config = engine.model_copy(update={"drafter": DrafterConfig(num_speculative_tokens=w)})
+        llm = make_llm(config)
+        for domain in DOMAINS:
+            before = read_spec_counters(llm)
+            params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in prompts[domain]]
+            llm.generate([p.prompt for p in prompts[domain]], params, use_tqdm=False)
+            c = read_spec_counters(llm).minus(before)
+            per_domain[domain][str(w)] = WidthResult(
+                mean_accepted_length=1.0 + c.accepted / max(c.drafts, 1),
+                per_position=[a / max(c.drafts, 1) for a in c.accepted_per_pos[:w]],
+                drafts=c.drafts,
+            )
+        del llm
+        if progress:
+            progress(f"width {w} done")
+    domains = {
+        d: DomainBench(mean_accepted_full_width=r[str(block)].mean_accepted_length, per_width=r) for d, r in per_domain.items()
+    }
+    robustness = {
+        d: {
+            str(w): abs(domains[d].per_width[str(w)].mean_accepted_length - domains[d].truncated_full_width(w, block))
+            / domains[d].truncated_full_width(w, block)
+            for w in widths
+        }
+        for d in DOMAINS
+    }
+    full = [domains[d].mean_accepted_full_width for d in DOMAINS]
+    return ModelsBench(
+        block=block,
+        prompts_per_domain=prompts_per_domain,
+        domains=domains,
+        width_robustness=robustness,
+        domain_gap=(max(full) - min(full)) / min(full),
+    )
+
+
+def format_models_bench(result: ModelsBench) -> str:
+    lines = [f"{'domain':>7} {'width':>5} {'mean acc len':>13} {'trunc. full':>12} {'gap':>6}  per-position acceptance"]
+    for d, bench in result.domains.items():
+        for w, r in sorted(bench.per_width.items(), key=lambda kv: int(kv[0])):
+            trunc = bench.truncated_full_width(int(w), result.block)
+            pos = " ".join(f"{p:.2f}" for p in r.per_position)
+            lines.append(
+                f"{d:>7} {w:>5} {r.mean_accepted_length:>13.2f} {trunc:>12.2f} "
+                f"{result.width_robustness[d][w]:>6.1%}  {pos}"
+            )
+    lines.append(f"domain gap at full width: {result.domain_gap:.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""ForeSpark's vLLM general plugin (entry point `vllm.general_plugins`: `forespark`).
+
+vLLM loads it in every engine process before models are built. On the CPU
+build it mends two things the DFlash drafter needs, without touching vLLM's
+files:
+
+1. The CPU linear method packs each weight for oneDNN and empties
+   `layer.weight`; DFlash projects context K/V straight from
+   `qkv_proj.weight`. When the drafter builds that projection lazily (any load
+   path that does not run its `load_weights`, e.g. `load_format="dummy"`) it
+   finds an empty weight and fails. We mark the drafter's `qkv_proj` to keep
+   its weight (`_cpu_skip_gemm_dispatch`, the flag vLLM's MLA uses for the
+   same reason).
+2. DFlash normalises the context keys of all draft layers in one grouped
+   `rms_norm` call that expects a per-layer weight; the CPU kernel applies
+   layer 0's weight to every layer, so layers >= 1 see wrongly scaled keys.
+   We normalise per layer in plain torch.
+
+Both are no-ops off the CPU.
+"""
+
+from __future__ import annotations
+
+_applied = False
+ORIGINALS: dict[str, object] = {}  # what the plugin replaced, for tests that show the fix matters
+
+
+def _keep_qkv_weight(module) -> None:
+    init = ORIGINALS.setdefault("DFlashQwen3Attention.__init__", module.DFlashQwen3Attention.__init__)
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.qkv_proj._cpu_skip_gemm_dispatch = True
+
+    module.DFlashQwen3Attention.__init__ = __init__
+
+
+def _normalize_context_k_per_layer(module) -> None:
+    import torch
+
+    ORIGINALS.setdefault("DFlashQwen3Model._normalize_context_k", module.DFlashQwen3Model._normalize_context_k)
+
+    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:  # all_k: [layers, tokens, heads, dim]
+        x = all_k.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+        return (x * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)
+
+    module.DFlashQwen3Model._normalize_context_k = _normalize_context_k
+
+
+def register() -> None:
+    global _applied
+    if _applied:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.models import qwen3_dflash
+
+    _keep_qkv_weight(qwen3_dflash)
+    _normalize_context_k_per_layer(qwen3_dflash)
+    _applied = True

@@ -1,0 +1,119 @@
+"""The shipped models: intact, small, better than a unigram model, and a drafter that drafts any width."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from replicas.models.build import WEIGHTS_DIR, BuildReport, compare_reports, verify_checksums
+from replicas.models.corpus import load_corpus
+from replicas.models.dflash import DFlashDrafter, target_features
+from replicas.models.tokenizer import MASK, load_hf_tokenizer
+from replicas.models.workloads import load_workloads
+
+
+@pytest.fixture(scope="module")
+def report() -> BuildReport:
+    return BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text())
+
+
+def test_weights_match_their_checksums():
+    assert verify_checksums(WEIGHTS_DIR) == []
+
+
+def test_a_changed_weight_file_is_detected(tmp_path):
+    copy = tmp_path / "weights"
+    shutil.copytree(WEIGHTS_DIR, copy)
+    with open(copy / "drafter" / "model.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    assert verify_checksums(copy) == ["drafter/model.safetensors"]
+
+
+def test_weights_are_small():
+    total = sum(p.stat().st_size for p in WEIGHTS_DIR.rglob("*.safetensors"))
+    assert total <= 30 * 2**20
+
+
+def test_target_beats_unigram_on_held_out_text(report):
+    for domain, q in report.domains.items():
+        assert q.perplexity < 0.5 * q.unigram_perplexity, domain
+
+
+def test_build_report_meets_acceptance_goals(report):
+    code, prose = report.domains["code"], report.domains["prose"]
+    assert code.mean_accepted_length >= 2.5
+    gap = abs(code.mean_accepted_length - prose.mean_accepted_length) / min(
+        code.mean_accepted_length, prose.mean_accepted_length
+    )
+    assert gap >= 0.2
+
+
+def test_compare_reports_flags_a_worse_rebuild(report):
+    assert compare_reports(report, report) == []
+    worse = report.model_copy(deep=True)
+    worse.domains["code"].perplexity *= 1.5
+    worse.domains["prose"].offline_acceptance = [0.0] * len(worse.domains["prose"].offline_acceptance)
+    problems = compare_reports(report, worse)
+    assert any("code perplexity" in p for p in problems) and any("prose mean accepted length" in p for p in problems)
+
+
+def test_workload_prompts_are_held_out():
+    corpus = load_corpus()
+    train = {d: "\x00".join(corpus.docs[d]["train"]) for d in corpus.docs}
+    for domain, prompts in load_workloads().items():
+        assert len(prompts) >= 32
+        for p in prompts[:16]:
+            assert p.prompt not in train[domain], p.prompt[:60]
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import LlamaForCausalLM
+
+    target = LlamaForCausalLM.from_pretrained(str(WEIGHTS_DIR / "target"), torch_dtype=torch.float32).eval()
+    drafter = DFlashDrafter.load(WEIGHTS_DIR / "drafter")
+    tok = load_hf_tokenizer(WEIGHTS_DIR / "target")
+    return target, drafter, tok
+
+
+@torch.no_grad()
+def test_drafting_fewer_positions_gives_the_same_first_drafts(models):
+    """Width robustness by construction: with the causal block, slot j never sees slots after it."""
+    target, drafter, tok = models
+    ids = torch.tensor([tok.encode(load_workloads()["code"][0].prompt)])
+    _, aux = target_features(target, ids, drafter.spec.target_layer_ids)
+    mask_id = tok.convert_tokens_to_ids(MASK)
+    p = ids.shape[1] - 1
+    embed = target.get_input_embeddings().weight
+    full = drafter(aux, torch.tensor([[[int(ids[0, p])] + [mask_id] * drafter.spec.block]]), torch.tensor([[p]]), embed)
+    for w in (1, 3, 5):
+        part = drafter.__class__(drafter.spec.model_copy(update={"block": w}), embed.shape[1])
+        part.load_state_dict(drafter.state_dict())
+        short = part(aux, torch.tensor([[[int(ids[0, p])] + [mask_id] * w]]), torch.tensor([[p]]), embed)
+        torch.testing.assert_close(short[0, 0], full[0, 0, :w], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_non_causal_block_would_not_be_width_robust(models):
+    """Negative control for the test above: a bidirectional block changes its first drafts with the width."""
+    target, drafter, tok = models
+    bidir = drafter.__class__(drafter.spec.model_copy(update={"causal": False}), target.config.hidden_size)
+    bidir.load_state_dict(drafter.state_dict())
+    ids = torch.tensor([tok.encode(load_workloads()["code"][0].prompt)])
+    _, aux = target_features(target, ids, drafter.spec.target_layer_ids)
+    mask_id = tok.convert_tokens_to_ids(MASK)
+    p = ids.shape[1] - 1
+    embed = target.get_input_embeddings().weight
+    block = lambda w: torch.tensor([[[int(ids[0, p])] + [mask_id] * w]])  # noqa: E731
+    full = bidir(aux, block(drafter.spec.block), torch.tensor([[p]]), embed)[0, 0, :2]
+    short = bidir(aux, block(2), torch.tensor([[p]]), embed)[0, 0]
+    assert not torch.allclose(full, short, atol=1e-4)
+
+
+def test_tokenizer_round_trip(models):
+    _, _, tok = models
+    text = "def f(x):\n    return x + 1\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert np.all(np.array(tok.encode(text)) < 2048)

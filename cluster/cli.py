@@ -97,7 +97,7 @@ def cmd_models_traces(args: argparse.Namespace) -> int:
     from replicas.models.trace_recorder import record_traces
     from scheduling.evaluation import compare_estimators, format_comparison
 
-    traces, domains = record_traces(prompts_per_domain=args.prompts, repeats=args.repeats)
+    traces, domains = record_traces(prompts_per_domain=args.prompts, repeats=args.repeats, temperature=args.temperature)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     traces.save(args.out)
     print(f"recorded {len(traces)} verification steps ({', '.join(f'{d}: {(domains == d).sum()}' for d in sorted(set(domains)))}); wrote {args.out}")
@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     mtraces.add_argument("--out", default="results/traces.npz", help="where the traces go (.npz)")
     mtraces.add_argument("--json", metavar="PATH", help="write the estimator comparison here")
     mtraces.add_argument("--prompts", type=int, default=64, help="prompts per domain")
-    mtraces.add_argument("--repeats", type=int, default=2, help="sampled generations per prompt")
+    mtraces.add_argument("--repeats", type=int, default=1, help="generations per prompt")
+    mtraces.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     mtraces.set_defaults(func=cmd_models_traces)
     mwork = models_sub.add_parser("workloads", help="rewrite replicas/models/workloads/*.jsonl from held-out text")
     mwork.add_argument("--per-domain", type=int, default=64)

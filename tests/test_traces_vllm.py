@@ -21,8 +21,8 @@ def recorded():
     recorder = TraceRecorder(llm, config.drafter.num_speculative_tokens)
     before = read_spec_counters(llm)
     work = load_workloads()
-    prompts = [p for d in work for p in work[d][:40]]
-    params = [SamplingParams(temperature=0.8, max_tokens=p.max_tokens, seed=i) for i, p in enumerate(prompts)]
+    prompts = [p for d in work for p in work[d][:48]]
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in prompts]
     llm.generate([p.prompt for p in prompts], params, use_tqdm=False)
     return recorder.traces(), read_spec_counters(llm).minus(before)
 

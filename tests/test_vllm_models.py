@@ -24,9 +24,27 @@ def spec_llm():
     return make_llm(EngineConfig())
 
 
+def recorder_of(llm):
+    """One TraceRecorder per engine: acceptance counted from the engine's own verdicts (vLLM's
+    Prometheus counters only follow the newest engine in a process)."""
+    from replicas.models.trace_recorder import TraceRecorder
+
+    if not hasattr(llm, "_forespark_recorder"):
+        llm._forespark_recorder = TraceRecorder(llm, EngineConfig().drafter.num_speculative_tokens)
+    return llm._forespark_recorder
+
+
 @pytest.fixture(scope="module")
 def plain_llm():
     return make_llm(EngineConfig(drafter=None))
+
+
+@pytest.fixture(scope="module")
+def narrow_llm():
+    # Engines live as long as the module: dropping one tears down vLLM's process-wide parallel state.
+    from replicas.engine import DrafterConfig
+
+    return make_llm(EngineConfig(drafter=DrafterConfig(num_speculative_tokens=3)))
 
 
 def greedy_tokens(llm, prompts, max_tokens=48):
@@ -37,15 +55,53 @@ def greedy_tokens(llm, prompts, max_tokens=48):
 
 
 def test_greedy_outputs_are_identical_with_and_without_speculation(spec_llm, plain_llm):
-    from replicas.models.bench import read_spec_counters
-
     work = load_workloads()
     prompts = [p.prompt for d in work for p in work[d][:8]]
-    before = read_spec_counters(spec_llm)
+    recorder = recorder_of(spec_llm)
+    start = len(recorder.rows)
     with_spec = greedy_tokens(spec_llm, prompts)
-    after = read_spec_counters(spec_llm).minus(before)
+    ran = recorder.counters(start)
     assert with_spec == greedy_tokens(plain_llm, prompts)
-    assert after.drafts > 0 and after.accepted > 0  # speculation really ran, and drafts were accepted
+    assert ran.drafts > 0 and ran.accepted > 0  # speculation really ran, and drafts were accepted
+
+
+def domain_acceptance(llm, prompts_per_domain=24):
+    """Mean accepted length (accepted drafts + bonus) per domain, greedy, from vLLM's own counters."""
+    from vllm import SamplingParams
+
+    recorder = recorder_of(llm)
+    out = {}
+    for domain, prompts in load_workloads().items():
+        chosen = prompts[:prompts_per_domain]
+        start = len(recorder.rows)
+        llm.generate(
+            [p.prompt for p in chosen], [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in chosen],
+            use_tqdm=False,
+        )
+        c = recorder.counters(start)
+        out[domain] = (1.0 + c.accepted / c.drafts, [a / c.drafts for a in c.accepted_per_pos])
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_width_acceptance(spec_llm):
+    return domain_acceptance(spec_llm)
+
+
+def test_code_accepts_long_drafts_and_domains_differ(full_width_acceptance):
+    code, prose = full_width_acceptance["code"][0], full_width_acceptance["prose"][0]
+    assert code >= 2.5
+    assert (code - prose) / prose >= 0.2
+
+
+def test_a_narrower_draft_is_the_full_blocks_prefix(spec_llm, narrow_llm):
+    """Width robustness in the engine: vLLM drafting 3 positions produces exactly the logits of the
+    first 3 positions of the full block (the causal block never looks ahead)."""
+    prompt = load_workloads()["prose"][5].prompt
+    narrow, _, bonus_n = _first_draft_logits(narrow_llm, prompt)
+    full, _, bonus_f = _first_draft_logits(spec_llm, prompt)
+    assert bonus_n == bonus_f and narrow.shape[0] == 3
+    torch.testing.assert_close(narrow, full[:3], rtol=1e-4, atol=1e-4)
 
 
 def _drafter_model(llm):

@@ -106,6 +106,21 @@ class TraceRecorder:
             self._pending[rid] = _Pending(feats[n], float(hist[n]), int(ints[n]))
         self._last = None
 
+    def counters(self, since: int = 0):
+        """vLLM-style speculative counters over rows[since:] (independent of the process-wide
+        Prometheus registry, which only ever holds the newest engine's metrics)."""
+        from replicas.models.bench import SpecCounters
+
+        rows = self.rows[since:]
+        k = max((r[2] for r in rows), default=0)
+        accepted = np.array([r[3] for r in rows], dtype=np.int64)
+        return SpecCounters(
+            drafts=len(rows),
+            draft_tokens=int(sum(r[2] for r in rows)),
+            accepted=int(accepted.sum()),
+            accepted_per_pos=[int((accepted >= j).sum()) for j in range(1, k + 1)],
+        )
+
     def traces(self) -> Traces:
         if not self.rows:
             raise RuntimeError("no verification steps were recorded")
@@ -120,8 +135,12 @@ class TraceRecorder:
         )
 
 
-def record_traces(prompts_per_domain: int = 64, repeats: int = 2, temperature: float = 0.8, seed: int = 0):
-    """Run the shipped workloads through vLLM with the drafter; returns (traces, domain per row)."""
+def record_traces(prompts_per_domain: int = 64, repeats: int = 1, temperature: float = 0.0, seed: int = 0):
+    """Run the shipped workloads through vLLM with the drafter; returns (traces, domain per row).
+
+    Greedy by default: that is what the shipped drafter is distilled for, and
+    acceptance under sampling on the CPU build is still being investigated.
+    """
     from vllm import SamplingParams
 
     from replicas.engine import EngineConfig, make_llm

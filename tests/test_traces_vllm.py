@@ -1,5 +1,7 @@
 """Acceptance traces recorded from the real vLLM engine, and the estimators trained on them."""
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -24,7 +26,10 @@ def recorded():
     prompts = [p for d in work for p in work[d][:48]]
     params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in prompts]
     llm.generate([p.prompt for p in prompts], params, use_tqdm=False)
-    return recorder.traces(), read_spec_counters(llm).minus(before)
+    result = recorder.traces(), read_spec_counters(llm).minus(before)
+    del llm, recorder
+    gc.collect()  # tear the engine down before the next module starts its own
+    return result
 
 
 def test_one_row_per_verified_draft_matching_vllm_counters(recorded):

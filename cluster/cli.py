@@ -38,8 +38,9 @@ def cmd_bench_planner(args: argparse.Namespace) -> int:
 
     from scheduling import benchmark
 
-    with tqdm(total=len(args.batches) * len(args.ks), desc="planner bench", unit="config") as bar:
-        result = benchmark.run(args.batches, args.ks, reps=args.reps, progress=lambda _row: bar.update())
+    rounds = 5
+    with tqdm(total=len(args.batches) * len(args.ks) * rounds, desc="planner bench", unit="config") as bar:
+        result = benchmark.run(args.batches, args.ks, reps=args.reps, rounds=rounds, progress=lambda _c: bar.update())
     print(benchmark.format_table(result))
     _write_json(args.json, result.model_dump())
     return 0

@@ -53,48 +53,62 @@ def _inputs(batch: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, n
     return survival_from_hazards(hazards), survival_from_hazards(noisy)
 
 
-def time_planner(batch: int, k: int, reps: int, seed: int = 0) -> PlannerTiming:
-    rng = np.random.default_rng(seed)
-    cost = gpu_like_cost()
-    cases = [_inputs(batch, k, rng) for _ in range(16)]
-    budget = 8192
-    times = np.empty(reps)
-    drafted = verified = 0
-    for n in range(reps + reps // 10):
-        pre, post = cases[n % len(cases)]
-        t0 = time.perf_counter()
-        plan = plan_step(pre, cost, token_budget=budget, validate=False)
-        verify = distribute_verify_budget(
-            post, plan.draft, cost, verify_cap=plan.verify_cap, token_budget=budget, validate=False,
-            drafted_slots=plan.slots,
+class _Config:
+    """One (batch, K) configuration: its inputs, and the samples timed so far."""
+
+    def __init__(self, batch: int, k: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.batch, self.k = batch, k
+        self.cases = [_inputs(batch, k, rng) for _ in range(16)]
+        self.times: list[float] = []
+        self.drafted = self.verified = 0
+
+    def time(self, reps: int, cost, budget: int = 8192, warmup: int = 20) -> None:
+        for n in range(warmup + reps):
+            pre, post = self.cases[n % len(self.cases)]
+            t0 = time.perf_counter()
+            plan = plan_step(pre, cost, token_budget=budget, validate=False)
+            verify = distribute_verify_budget(
+                post, plan.draft, cost, verify_cap=plan.verify_cap, token_budget=budget, validate=False,
+                drafted_slots=plan.slots,
+            )
+            t1 = time.perf_counter()
+            if n >= warmup:
+                self.times.append(t1 - t0)
+                self.drafted += int(plan.draft.sum())
+                self.verified += int(verify.sum())
+
+    def timing(self) -> PlannerTiming:
+        us = np.array(self.times) * 1e6
+        n = len(self.times) * self.batch
+        return PlannerTiming(
+            batch=self.batch,
+            k=self.k,
+            p50_us=float(np.median(us)),
+            p99_us=float(np.percentile(us, 99)),
+            mean_drafted=self.drafted / n,
+            mean_verified=self.verified / n,
         )
-        t1 = time.perf_counter()
-        warm = n - reps // 10
-        if warm >= 0:
-            times[warm] = t1 - t0
-            drafted += int(plan.draft.sum())
-            verified += int(verify.sum())
-    us = times * 1e6
-    return PlannerTiming(
-        batch=batch,
-        k=k,
-        p50_us=float(np.median(us)),
-        p99_us=float(np.percentile(us, 99)),
-        mean_drafted=drafted / (reps * batch),
-        mean_verified=verified / (reps * batch),
-    )
 
 
 def run(
-    batches: tuple[int, ...] = DEFAULT_BATCHES, ks: tuple[int, ...] = DEFAULT_KS, reps: int = 2000, progress=None
+    batches: tuple[int, ...] = DEFAULT_BATCHES,
+    ks: tuple[int, ...] = DEFAULT_KS,
+    reps: int = 2000,
+    rounds: int = 5,
+    progress=None,
 ) -> PlannerBenchResult:
-    rows = []
-    for b in batches:
-        for k in ks:
-            rows.append(time_planner(b, k, reps))
+    """Configurations are timed in interleaved rounds, so a burst of load on a shared machine
+    spreads over all of them instead of landing on one."""
+    cost = gpu_like_cost()
+    configs = [_Config(b, k, seed=b * 100 + k) for b in batches for k in ks]
+    per_round = max(1, reps // rounds)
+    for _ in range(rounds):
+        for config in configs:
+            config.time(per_round, cost)
             if progress is not None:
-                progress(rows[-1])
-    return PlannerBenchResult(results=rows)
+                progress(config)
+    return PlannerBenchResult(results=[c.timing() for c in configs])
 
 
 def format_table(result: PlannerBenchResult) -> str:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from replicas.models.data import TokenStreams
 from replicas.models.dflash import DFlashDrafter, target_features
+from replicas.models.optim import Optimiser
 from replicas.models.spec import DrafterSpec, TrainSpec
 
 
@@ -64,9 +65,11 @@ def train_drafter(
     torch.manual_seed(train.seed + 2)
     rng = np.random.default_rng(train.seed + 2)
     embed = target.get_input_embeddings().weight.detach()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=train.drafter_lr, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / train.drafter_steps)))
+    opt = Optimiser(
+        drafter.parameters(),
+        train.drafter_lr,
+        0.01,
+        lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / train.drafter_steps))),
     )
     t = sequences.shape[1]
     lo, hi = train.distill_prompt_len - 1, t - spec.block - 1
@@ -92,13 +95,7 @@ def train_drafter(
         kl = F.kl_div(log_q, F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean") / (
             anchors.shape[1] * spec.block
         )
-        loss = ce + train.kl_weight * kl
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(float(loss))
+        losses.append(opt.step(ce + train.kl_weight * kl))
         if progress:
             progress(step, losses[-1])
     drafter.eval()

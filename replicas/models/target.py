@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from replicas.models.data import TokenStreams
+from replicas.models.optim import Optimiser
 from replicas.models.spec import TargetSpec, TrainSpec
 
 
@@ -45,7 +46,6 @@ def train_target(
 ) -> list[float]:
     """AdamW with warm-up and cosine decay on mixed code/prose windows; returns the loss curve."""
     rng = np.random.default_rng(train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=train.target_lr, weight_decay=0.05, betas=(0.9, 0.95))
     warmup = max(1, train.target_steps // 20)
 
     def lr_at(step: int) -> float:
@@ -53,18 +53,12 @@ def train_target(
             return (step + 1) / warmup
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, train.target_steps - warmup)))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt = Optimiser(model.parameters(), train.target_lr, 0.05, lr_at)
     model.train()
     losses = []
     for step in range(train.target_steps):
         batch = torch.from_numpy(streams.mixed_windows(train.seq_len, train.target_batch, train.code_share, rng))
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(float(loss))
+        losses.append(opt.step(model(input_ids=batch, labels=batch).loss))
         if progress:
             progress(step, losses[-1])
     model.eval()

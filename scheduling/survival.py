@@ -18,27 +18,6 @@ def survival_from_hazards(accept_prob: np.ndarray) -> np.ndarray:
     return np.cumprod(p, axis=-1)
 
 
-def hazards_from_survival(survival: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`survival_from_hazards` (0/0 is taken as 0)."""
-    s = np.asarray(survival, dtype=np.float64)
-    prev = np.concatenate([np.ones_like(s[..., :1]), s[..., :-1]], axis=-1)
-    return np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
-
-
-def make_monotone(survival: np.ndarray) -> np.ndarray:
-    """Clip into [0, 1] and force non-increasing along the last axis."""
-    s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, 1.0)
-    return np.minimum.accumulate(s, axis=-1)
-
-
-def expected_tokens(survival: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """Expected tokens a request emits in one step when verifying `widths` drafts: 1 + sum_{j<=w} s(j)."""
-    s = np.asarray(survival, dtype=np.float64)
-    k = s.shape[-1]
-    mask = np.arange(k)[None, :] < np.asarray(widths)[:, None]
-    return 1.0 + (s * mask).sum(axis=-1)
-
-
 def logit(p: np.ndarray) -> np.ndarray:
     p = np.clip(p, EPS, 1.0 - EPS)
     return np.log(p) - np.log1p(-p)

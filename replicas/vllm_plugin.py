@@ -15,8 +15,14 @@ files:
    `rms_norm` call that expects a per-layer weight; the CPU kernel applies
    layer 0's weight to every layer, so layers >= 1 see wrongly scaled keys.
    We normalise per layer in plain torch.
+3. The rejection sampler spreads per-request temperature / top-k / top-p over
+   draft tokens with `expand_batch_to_tokens`, whose CPU kernel casts its
+   float output and input to int64 copies: the float result is never written
+   and temperatures are truncated, so every sampled (temperature > 0)
+   verification uses garbage probabilities and almost nothing is accepted.
+   We expand in plain torch.
 
-Both are no-ops off the CPU.
+All three are no-ops off the CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +54,19 @@ def _normalize_context_k_per_layer(module) -> None:
     module.DFlashQwen3Model._normalize_context_k = _normalize_context_k
 
 
+def _expand_in_torch(module) -> None:
+    import torch
+
+    ORIGINALS.setdefault("rejection_sampler.expand_batch_to_tokens", module.expand_batch_to_tokens)
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+        out = torch.repeat_interleave(x, counts.to(torch.long), output_size=num_tokens)
+        return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype), out)
+
+    module.expand_batch_to_tokens = expand_batch_to_tokens
+
+
 def register() -> None:
     global _applied
     if _applied:
@@ -57,7 +76,9 @@ def register() -> None:
     if not current_platform.is_cpu():
         return
     from vllm.model_executor.models import qwen3_dflash
+    from vllm.v1.sample import rejection_sampler
 
     _keep_qkv_weight(qwen3_dflash)
     _normalize_context_k_per_layer(qwen3_dflash)
+    _expand_in_torch(rejection_sampler)
     _applied = True

@@ -192,3 +192,36 @@ def test_plugin_keeps_the_drafters_qkv_weight_on_cpu(plugins, works):
         env["VLLM_PLUGINS"] = plugins
     proc = subprocess.run([sys.executable, "-c", DUMMY_LOAD], capture_output=True, text=True, env=env, timeout=600)
     assert ("GENERATED 4" in proc.stdout) == works, proc.stderr[-3000:]
+
+
+def _position_one_acceptance(llm, temperature):
+    from vllm import SamplingParams
+
+    recorder = recorder_of(llm)
+    start = len(recorder.rows)
+    prompts = [p.prompt for p in load_workloads()["code"][:16]]
+    params = [SamplingParams(temperature=temperature, max_tokens=48, seed=i) for i in range(len(prompts))]
+    llm.generate(prompts, params, use_tqdm=False)
+    c = recorder.counters(start)
+    return c.accepted_per_pos[0] / c.drafts
+
+
+def test_sampled_verification_accepts_like_greedy_at_low_temperature(spec_llm):
+    """At temperature 1e-3 the target is all but greedy, so drafts must be accepted about as often."""
+    greedy = _position_one_acceptance(spec_llm, 0.0)
+    assert _position_one_acceptance(spec_llm, 1e-3) >= 0.8 * greedy > 0.2
+
+
+def test_without_the_plugins_expand_fix_sampled_drafts_are_rejected(spec_llm):
+    """Negative control: vLLM's CPU expand kernel garbles per-token temperatures."""
+    from vllm.v1.sample import rejection_sampler
+
+    from replicas import vllm_plugin
+
+    patched = rejection_sampler.expand_batch_to_tokens
+    rejection_sampler.expand_batch_to_tokens = vllm_plugin.ORIGINALS["rejection_sampler.expand_batch_to_tokens"]
+    try:
+        broken = _position_one_acceptance(spec_llm, 1e-3)
+    finally:
+        rejection_sampler.expand_batch_to_tokens = patched
+    assert broken < 0.05

@@ -138,8 +138,7 @@ class TraceRecorder:
 def record_traces(prompts_per_domain: int = 64, repeats: int = 1, temperature: float = 0.0, seed: int = 0):
     """Run the shipped workloads through vLLM with the drafter; returns (traces, domain per row).
 
-    Greedy by default: that is what the shipped drafter is distilled for, and
-    acceptance under sampling on the CPU build is still being investigated.
+    Greedy by default: that is what the shipped drafter is distilled for.
     """
     from vllm import SamplingParams
 

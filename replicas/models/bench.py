@@ -5,6 +5,12 @@ generates the shipped workloads greedily one domain at a time, and reads vLLM's
 own speculative-decoding counters: per-position acceptance (the share of
 drafts whose first j tokens were all accepted) and mean accepted length
 (accepted drafts + the bonus token per verification step).
+
+Width robustness is judged at identical anchors: every width also drafts once
+from the same prefixes of the greedy continuations, and its accepted drafts
+are compared with the full block's truncated at w. Free-running numbers mix
+the drafter with where steps happen to start (after a rejection, more often
+for wide drafts), so they are reported beside it, not used for it.
 """
 
 from __future__ import annotations

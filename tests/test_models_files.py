@@ -8,8 +8,8 @@ import torch
 
 from replicas.models.build import WEIGHTS_DIR, BuildReport, compare_reports, verify_checksums
 from replicas.models.corpus import load_corpus
-from replicas.models.dflash import DFlashDrafter, target_features
-from replicas.models.tokenizer import MASK, load_hf_tokenizer
+from replicas.models.dflash import DFlashDrafter
+from replicas.models.embedded import EmbeddedModels
 from replicas.models.workloads import load_workloads
 
 
@@ -68,51 +68,41 @@ def test_workload_prompts_are_held_out():
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import LlamaForCausalLM
-
-    target = LlamaForCausalLM.from_pretrained(str(WEIGHTS_DIR / "target"), torch_dtype=torch.float32).eval()
-    drafter = DFlashDrafter.load(WEIGHTS_DIR / "drafter")
-    tok = load_hf_tokenizer(WEIGHTS_DIR / "target")
-    return target, drafter, tok
+def models() -> EmbeddedModels:
+    return EmbeddedModels.load()
 
 
-@torch.no_grad()
+def variant(drafter: DFlashDrafter, **changes) -> DFlashDrafter:
+    """The same weights under a changed spec (block width, causality)."""
+    other = DFlashDrafter(drafter.spec.model_copy(update=changes), drafter.norm.weight.shape[0])
+    other.load_state_dict(drafter.state_dict())
+    return other.eval()
+
+
+def first_block(models: EmbeddedModels) -> tuple[list[int], int]:
+    ids = models.tokenizer.encode(load_workloads()["code"][0].prompt)
+    return ids[:-1], ids[-1]
+
+
 def test_drafting_fewer_positions_gives_the_same_first_drafts(models):
     """Width robustness by construction: with the causal block, slot j never sees slots after it."""
-    target, drafter, tok = models
-    ids = torch.tensor([tok.encode(load_workloads()["code"][0].prompt)])
-    _, aux = target_features(target, ids, drafter.spec.target_layer_ids)
-    mask_id = tok.convert_tokens_to_ids(MASK)
-    p = ids.shape[1] - 1
-    embed = target.get_input_embeddings().weight
-    full = drafter(aux, torch.tensor([[[int(ids[0, p])] + [mask_id] * drafter.spec.block]]), torch.tensor([[p]]), embed)
+    context, bonus = first_block(models)
+    full = models.draft_logits(context, bonus)
     for w in (1, 3, 5):
-        part = drafter.__class__(drafter.spec.model_copy(update={"block": w}), embed.shape[1])
-        part.load_state_dict(drafter.state_dict())
-        short = part(aux, torch.tensor([[[int(ids[0, p])] + [mask_id] * w]]), torch.tensor([[p]]), embed)
-        torch.testing.assert_close(short[0, 0], full[0, 0, :w], rtol=1e-5, atol=1e-5)
+        short = models.draft_logits(context, bonus, variant(models.drafter, block=w))
+        torch.testing.assert_close(short, full[:w], rtol=1e-5, atol=1e-5)
 
 
-@torch.no_grad()
 def test_non_causal_block_would_not_be_width_robust(models):
     """Negative control for the test above: a bidirectional block changes its first drafts with the width."""
-    target, drafter, tok = models
-    bidir = drafter.__class__(drafter.spec.model_copy(update={"causal": False}), target.config.hidden_size)
-    bidir.load_state_dict(drafter.state_dict())
-    ids = torch.tensor([tok.encode(load_workloads()["code"][0].prompt)])
-    _, aux = target_features(target, ids, drafter.spec.target_layer_ids)
-    mask_id = tok.convert_tokens_to_ids(MASK)
-    p = ids.shape[1] - 1
-    embed = target.get_input_embeddings().weight
-    block = lambda w: torch.tensor([[[int(ids[0, p])] + [mask_id] * w]])  # noqa: E731
-    full = bidir(aux, block(drafter.spec.block), torch.tensor([[p]]), embed)[0, 0, :2]
-    short = bidir(aux, block(2), torch.tensor([[p]]), embed)[0, 0]
+    context, bonus = first_block(models)
+    full = models.draft_logits(context, bonus, variant(models.drafter, causal=False))[:2]
+    short = models.draft_logits(context, bonus, variant(models.drafter, causal=False, block=2))
     assert not torch.allclose(full, short, atol=1e-4)
 
 
 def test_tokenizer_round_trip(models):
-    _, _, tok = models
+    tok = models.tokenizer
     text = "def f(x):\n    return x + 1\n"
     assert tok.decode(tok.encode(text)) == text
     assert np.all(np.array(tok.encode(text)) < 2048)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from replicas.engine import EngineConfig, cpu_engine_environment, make_llm
-from replicas.models.build import WEIGHTS_DIR
 from replicas.models.workloads import load_workloads
 
 cpu_engine_environment()
@@ -130,32 +129,22 @@ def _first_draft_logits(llm, prompt):
     return recorded[0], list(out.prompt_token_ids), out.outputs[0].token_ids[0]
 
 
-@torch.no_grad()
-def reference_draft_logits(prompt_ids, bonus):
-    from transformers import LlamaForCausalLM
+@pytest.fixture(scope="module")
+def reference():
+    from replicas.models.embedded import EmbeddedModels
 
-    from replicas.models.dflash import DFlashDrafter, target_features
-    from replicas.models.tokenizer import MASK, load_hf_tokenizer
-
-    target = LlamaForCausalLM.from_pretrained(str(WEIGHTS_DIR / "target"), torch_dtype=torch.float32).eval()
-    drafter = DFlashDrafter.load(WEIGHTS_DIR / "drafter")
-    mask_id = load_hf_tokenizer(WEIGHTS_DIR / "target").convert_tokens_to_ids(MASK)
-    ids = torch.tensor([prompt_ids + [bonus]])
-    _, aux = target_features(target, ids, drafter.spec.target_layer_ids)
-    p = len(prompt_ids)
-    block = torch.tensor([[[bonus] + [mask_id] * drafter.spec.block]])
-    return drafter(aux, block, torch.tensor([[p]]), target.get_input_embeddings().weight)[0, 0]
+    return EmbeddedModels.load()
 
 
-def test_pytorch_drafter_matches_vllm_drafter_logits(spec_llm):
+def test_pytorch_drafter_matches_vllm_drafter_logits(spec_llm, reference):
     prompt = load_workloads()["code"][3].prompt
     vllm_logits, prompt_ids, bonus = _first_draft_logits(spec_llm, prompt)
-    ours = reference_draft_logits(prompt_ids, bonus)
+    ours = reference.draft_logits(prompt_ids, bonus)
     torch.testing.assert_close(vllm_logits, ours, rtol=1e-3, atol=2e-3)
     assert torch.equal(vllm_logits.argmax(-1), ours.argmax(-1))
 
 
-def test_without_the_plugins_k_norm_fix_vllm_logits_diverge(spec_llm):
+def test_without_the_plugins_k_norm_fix_vllm_logits_diverge(spec_llm, reference):
     """Negative control: put vLLM's grouped CPU k-norm back and the same comparison fails."""
     from replicas import vllm_plugin
 
@@ -167,7 +156,7 @@ def test_without_the_plugins_k_norm_fix_vllm_logits_diverge(spec_llm):
         vllm_logits, prompt_ids, bonus = _first_draft_logits(spec_llm, prompt)
     finally:
         del inner._normalize_context_k
-    ours = reference_draft_logits(prompt_ids, bonus)
+    ours = reference.draft_logits(prompt_ids, bonus)
     assert (vllm_logits - ours).abs().max() > 1e-2
 
 

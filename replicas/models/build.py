@@ -85,7 +85,6 @@ def build(out_dir: Path, spec: BuildSpec | None = None, reuse_target: bool = Fal
     corpus = load_corpus()
     if reuse_target:
         from tokenizers import Tokenizer
-        from transformers import LlamaForCausalLM
 
         tok = Tokenizer.from_file(str(out_dir / "target" / "tokenizer.json"))
         previous = BuildReport.model_validate_json((out_dir / "build_report.json").read_text())
@@ -100,7 +99,9 @@ def build(out_dir: Path, spec: BuildSpec | None = None, reuse_target: bool = Fal
 
     t0 = time.time()
     if reuse_target:
-        target = LlamaForCausalLM.from_pretrained(str(out_dir / "target"), torch_dtype=torch.float32).eval()
+        from replicas.models.embedded import load_target
+
+        target = load_target(out_dir / "target")
         target_loss = previous.target_loss_last
         seconds["target"] = previous.seconds["target"]
     else:

@@ -66,3 +66,8 @@ def make_llm(config: EngineConfig):
     from vllm import LLM
 
     return LLM(**config.vllm_kwargs())
+
+
+def model_runner(llm):
+    """The in-process engine's model runner (offline tools and tests hook into it)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from replicas.engine import EngineConfig, cpu_engine_environment, make_llm
+from replicas.engine import EngineConfig, cpu_engine_environment, make_llm, model_runner
 from replicas.models.workloads import load_workloads
 
 cpu_engine_environment()
@@ -104,8 +104,7 @@ def test_a_narrower_draft_is_the_full_blocks_prefix(spec_llm, narrow_llm):
 
 
 def _drafter_model(llm):
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return runner.drafter.model
+    return model_runner(llm).drafter.model
 
 
 def _first_draft_logits(llm, prompt):

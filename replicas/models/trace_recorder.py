@@ -52,7 +52,9 @@ class TraceRecorder:
     rows: list[tuple[np.ndarray, float, int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        from replicas.engine import model_runner
+
+        runner = model_runner(self.llm)
         self._runner = runner
         hidden = runner.model.config.hidden_size if hasattr(runner.model, "config") else runner.model_config.get_hidden_size()
         gen = torch.Generator().manual_seed(self.seed)

@@ -1,9 +1,13 @@
 """Profiled step-time model T(#requests, drafted tokens, target tokens) in milliseconds.
 
-T = intercept + g_req(R) + g_draft(D) + g_target(N), each g piecewise linear
-between knots, non-decreasing (non-negative segment slopes, fitted by NNLS)
-and extended linearly past its last knot with the last segment's slope. An
-engine profiles timed steps once at start-up, fits, and stores the JSON.
+T = intercept + launch [D > 0] + g_req(R) + g_draft(D) + g_target(N), each
+g piecewise linear between knots, non-decreasing (non-negative segment
+slopes, fitted by NNLS) and extended linearly past its last knot with the
+last segment's slope. `launch` is what running the drafter at all costs in a
+step (its forward pass over the context, whatever D is): a step in which no
+request drafts skips it, so the planner weighs it against the whole step's
+gain. An engine profiles timed steps once at start-up, fits, and stores the
+JSON.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class StepCostModel(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     intercept_ms: float = Field(ge=0.0)
+    draft_launch_ms: float = Field(default=0.0, ge=0.0, description="added once when any token is drafted")
     requests: PiecewiseLinear = Field(default_factory=PiecewiseLinear)
     drafted: PiecewiseLinear = Field(default_factory=PiecewiseLinear)
     target: PiecewiseLinear = Field(default_factory=PiecewiseLinear)
@@ -92,19 +97,26 @@ class StepCostModel(BaseModel):
         return (
             self.intercept_ms
             + self.requests(num_requests)
+            + self.draft_launch_ms * (np.asarray(drafted_tokens) > 0)
             + self.drafted(drafted_tokens)
             + self.target(target_tokens)
         )
 
     @classmethod
     def linear(
-        cls, intercept_ms: float, per_request_ms: float, per_draft_ms: float, per_target_ms: float
+        cls,
+        intercept_ms: float,
+        per_request_ms: float,
+        per_draft_ms: float,
+        per_target_ms: float,
+        draft_launch_ms: float = 0.0,
     ) -> "StepCostModel":
         def line(slope: float) -> PiecewiseLinear:
             return PiecewiseLinear(knots=[0.0, 1.0], slopes=[slope])
 
         return cls(
             intercept_ms=intercept_ms,
+            draft_launch_ms=draft_launch_ms,
             requests=line(per_request_ms),
             drafted=line(per_draft_ms),
             target=line(per_target_ms),
@@ -119,21 +131,27 @@ class StepCostModel(BaseModel):
         step_ms: np.ndarray,
         max_knots: int = 12,
     ) -> "StepCostModel":
-        """Least squares with non-negative slopes over profiled (R, D, N) -> ms samples."""
+        """Least squares with non-negative slopes and launch cost over profiled (R, D, N) -> ms samples."""
         cols = [np.asarray(a, dtype=np.float64) for a in (num_requests, drafted_tokens, target_tokens)]
         y = np.asarray(step_ms, dtype=np.float64)
         if not (len(y) == len(cols[0]) == len(cols[1]) == len(cols[2])) or len(y) == 0:
             raise ValueError("need equally many (R, D, N, ms) samples, at least one")
         axes = [PiecewiseLinear(knots=_knots(c, max_knots)) for c in cols]
         blocks = [ax.basis(c) for ax, c in zip(axes, cols)]
-        design = np.column_stack([np.ones(len(y))] + blocks)
+        design = np.column_stack([np.ones(len(y)), (cols[1] > 0).astype(np.float64)] + blocks)
         weights, _ = nnls(design, y)
-        fitted, offset = [], 1
+        fitted, offset = [], 2
         for ax, block in zip(axes, blocks):
             n = block.shape[1]
             fitted.append(PiecewiseLinear(knots=ax.knots, slopes=weights[offset : offset + n].tolist()))
             offset += n
-        return cls(intercept_ms=float(weights[0]), requests=fitted[0], drafted=fitted[1], target=fitted[2])
+        return cls(
+            intercept_ms=float(weights[0]),
+            draft_launch_ms=float(weights[1]),
+            requests=fitted[0],
+            drafted=fitted[1],
+            target=fitted[2],
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2))
@@ -156,7 +174,8 @@ class _LookupTables:
     def _grow(self, size: int) -> None:
         counts = np.arange(size, dtype=np.float64)
         m = self.model
-        self.base, self.draft, self.target = m.intercept_ms + m.requests(counts), m.drafted(counts), m.target(counts)
+        self.base, self.target = m.intercept_ms + m.requests(counts), m.target(counts)
+        self.draft = m.drafted(counts) + m.draft_launch_ms * (counts > 0)
         self._lists = (self.base.tolist(), self.draft.tolist(), self.target.tolist())  # cheap scalar reads
 
     def _ensure(self, largest: int) -> None:

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from scheduling.survival import logit, sigmoid, survival_from_hazards
+from scheduling.survival import fit_logistic, logit, sigmoid, survival_from_hazards
 from scheduling.traces import PreDraftInputs, Traces
 
 
@@ -147,26 +147,11 @@ class ContextEstimator(SurvivalEstimator):
                 rate = (acc[rows, j].sum() + 0.5) / (rows.sum() + 1.0)
                 w[-1] = float(logit(np.array(rate)))
             else:
-                w = self._newton(x1[rows], acc[rows, j].astype(np.float64))
+                w = fit_logistic(x1[rows], acc[rows, j].astype(np.float64), self.l2, self.newton_steps)
             self.weights[j] = w
             prev = w
         self.offset[:] = 0.0
         return self
-
-    def _newton(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        w = np.zeros(x.shape[1])
-        w[-1] = float(logit(np.array(y.mean())))
-        reg = np.full(x.shape[1], self.l2)
-        reg[-1] = 0.0
-        for _ in range(self.newton_steps):
-            p = sigmoid(x @ w)
-            grad = x.T @ (p - y) + reg * w
-            hess = (x * (p * (1 - p))[:, None]).T @ x + np.diag(reg) + 1e-9 * np.eye(len(w))
-            step = np.linalg.solve(hess, grad)
-            w -= step
-            if np.max(np.abs(step)) < 1e-6:
-                break
-        return w
 
     def _hazards(self, inputs: PreDraftInputs) -> np.ndarray:
         if self.weights is None:

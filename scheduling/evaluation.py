@@ -91,6 +91,41 @@ def compare_estimators(traces: Traces, holdout_fraction: float = 0.3, seed: int 
     return {name: evaluate(cls(traces.k).fit(train), test) for name, cls in ESTIMATORS.items()}
 
 
+def survival_brier(survival: np.ndarray, traces: Traces, min_rows: int = 20) -> float:
+    """Mean over positions j of the Brier score of survival[:, j-1] for `accepted >= j`, on rows verifying >= j."""
+    scores = []
+    for j in range(1, traces.k + 1):
+        rows = traces.drafted >= j
+        if rows.sum() >= min_rows:
+            scores.append(brier(survival[rows, j - 1], traces.accepted[rows] >= j))
+    return float(np.mean(scores))
+
+
+def compare_post_draft(
+    traces: Traces, estimator: str = "context", holdout_fraction: float = 0.3, seed: int = 0
+) -> dict[str, float]:
+    """Held-out survival Brier of the pre-draft estimate, the raw drafter confidences and the
+    post-draft calibrator (DESIGN.md 1.3); needs traces that logged confidences."""
+    from scheduling.calibration import PostDraftCalibrator
+    from scheduling.estimators import ESTIMATORS
+    from scheduling.survival import hazards_from_survival, survival_from_hazards
+
+    if traces.confidence is None:
+        raise ValueError("these traces did not log the drafter's confidences")
+    train, test = traces.split_by_request(holdout_fraction, seed=seed)
+    pre = ESTIMATORS[estimator](traces.k).fit(train)
+    prior_train = hazards_from_survival(pre.predict(train.inputs))
+    calibrator = PostDraftCalibrator(traces.k).fit(train.confidence, prior_train, train.drafted, train.accepted)
+    pre_test = pre.predict(test.inputs)
+    prior_test = hazards_from_survival(pre_test)
+    full = np.full(len(test), traces.k)
+    return {
+        "pre-draft": survival_brier(pre_test, test),
+        "raw confidence": survival_brier(survival_from_hazards(np.nan_to_num(test.confidence, nan=0.0)), test),
+        "calibrated": survival_brier(calibrator.survival(test.confidence, prior_test, full), test),
+    }
+
+
 def format_comparison(reports: dict[str, EstimatorReport]) -> str:
     lines = [f"{'estimator':>10} {'mean AUC':>9} {'Brier':>8} {'ECE':>8}   AUC per position"]
     for name, r in reports.items():

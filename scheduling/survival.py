@@ -25,3 +25,27 @@ def logit(p: np.ndarray) -> np.ndarray:
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(z, dtype=np.float64)))
+
+
+def hazards_from_survival(survival: np.ndarray) -> np.ndarray:
+    """Inverse of `survival_from_hazards` (hazard 0 past a zero survival)."""
+    s = np.asarray(survival, dtype=np.float64)
+    prev = np.concatenate([np.ones_like(s[..., :1]), s[..., :-1]], axis=-1)
+    return np.divide(s, prev, out=np.zeros_like(s), where=prev > 0)
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0, steps: int = 12) -> np.ndarray:
+    """L2-regularised logistic regression by Newton steps; the last column of x is the (unpenalised) bias."""
+    w = np.zeros(x.shape[1])
+    w[-1] = float(logit(np.array(y.mean())))
+    reg = np.full(x.shape[1], l2)
+    reg[-1] = 0.0
+    for _ in range(steps):
+        p = sigmoid(x @ w)
+        grad = x.T @ (p - y) + reg * w
+        hess = (x * (p * (1 - p))[:, None]).T @ x + np.diag(reg) + 1e-9 * np.eye(len(w))
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.max(np.abs(step)) < 1e-6:
+            break
+    return w

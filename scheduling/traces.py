@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -42,9 +43,13 @@ class Traces:
     request_id: np.ndarray  # (N,) int
     k: int  # block size (max draft width)
     feature_names: tuple[str, ...] = ()
+    # (N, K) the drafter's max probability per drafted position (NaN where not drafted); None if not logged
+    confidence: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = self.inputs.batch_size
+        if self.confidence is not None and self.confidence.shape != (n, self.k):
+            raise ValueError(f"confidence must have shape ({n}, {self.k})")
         for name in ("drafted", "accepted", "request_id"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"{name} must have shape ({n},)")
@@ -62,6 +67,7 @@ class Traces:
             self.request_id[rows],
             self.k,
             self.feature_names,
+            None if self.confidence is None else self.confidence[rows],
         )
 
     def split_by_request(self, holdout_fraction: float, seed: int = 0) -> tuple["Traces", "Traces"]:
@@ -72,7 +78,23 @@ class Traces:
         mask = np.isin(self.request_id, held)
         return self.subset(np.flatnonzero(~mask)), self.subset(np.flatnonzero(mask))
 
-    def save(self, path: str | Path) -> None:
+    @classmethod
+    def concatenate(cls, parts: list["Traces"]) -> "Traces":
+        if not parts or any(p.k != parts[0].k for p in parts):
+            raise ValueError("need at least one part, all with the same k")
+        return cls(
+            PreDraftInputs(
+                np.concatenate([p.inputs.features for p in parts]), np.concatenate([p.inputs.history for p in parts])
+            ),
+            np.concatenate([p.drafted for p in parts]),
+            np.concatenate([p.accepted for p in parts]),
+            np.concatenate([p.request_id for p in parts]),
+            parts[0].k,
+            parts[0].feature_names,
+            None if any(p.confidence is None for p in parts) else np.concatenate([p.confidence for p in parts]),
+        )
+
+    def save(self, path: str | Path | IO[bytes]) -> None:
         np.savez_compressed(
             path,
             features=self.inputs.features,
@@ -82,10 +104,11 @@ class Traces:
             request_id=self.request_id,
             k=np.int64(self.k),
             feature_names=np.array(self.feature_names, dtype=str),
+            **({} if self.confidence is None else {"confidence": self.confidence}),
         )
 
     @classmethod
-    def load(cls, path: str | Path) -> "Traces":
+    def load(cls, path: str | Path | IO[bytes]) -> "Traces":
         with np.load(path) as z:
             return cls(
                 PreDraftInputs(z["features"], z["history"]),
@@ -94,6 +117,7 @@ class Traces:
                 z["request_id"],
                 int(z["k"]),
                 tuple(str(x) for x in z["feature_names"]),
+                z["confidence"] if "confidence" in z.files else None,
             )
 
 

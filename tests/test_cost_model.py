@@ -72,3 +72,19 @@ def test_invalid_models_are_rejected():
         StepCostModel(intercept_ms=-1.0)
     with pytest.raises(ValueError):
         StepCostModel.fit([1], [1, 2], [1], [1.0])
+
+
+def test_fit_separates_the_drafter_launch_cost_from_the_intercept():
+    rng = np.random.default_rng(2)
+    r = rng.integers(1, 64, 400)
+    d = rng.integers(0, 8, 400) * r * (rng.random(400) > 0.3)
+    n = r + d // 2
+    base = 5.0 + 0.03 * r + 0.01 * d + 0.02 * n
+    with_launch = StepCostModel.fit(r, d, n, base + 4.0 * (d > 0))
+    assert with_launch.draft_launch_ms == pytest.approx(4.0, abs=0.05)
+    assert with_launch.intercept_ms == pytest.approx(5.0, abs=0.1)
+    # Negative control: no launch cost in the data, none fitted.
+    assert StepCostModel.fit(r, d, n, base).draft_launch_ms < 0.05
+    # The lookup tables (the planner's path) agree with predict.
+    assert with_launch.step_ms(8, 0, 8) == pytest.approx(float(with_launch.predict(8, 0, 8)))
+    assert with_launch.step_ms(8, 3, 11) == pytest.approx(float(with_launch.predict(8, 3, 11)))

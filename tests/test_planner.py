@@ -20,6 +20,8 @@ COSTS = {
         drafted=PiecewiseLinear(knots=[0, 4, 8], slopes=[0.02, 0.4]),
         target=PiecewiseLinear(knots=[0, 6, 9], slopes=[0.05, 0.0]),
     ),
+    # Running the drafter at all costs more than most slots gain: drafting is all-or-nothing per step.
+    "launch": StepCostModel.linear(2.0, 0.1, 0.05, 0.1, draft_launch_ms=3.0),
     # Verifying is dear up to 5 target tokens and free after: the objective along the sort can dip and rise.
     "falling-marginal": StepCostModel(
         intercept_ms=1.0,

@@ -96,7 +96,7 @@ def cmd_models_bench(args: argparse.Namespace) -> int:
 
 def cmd_models_traces(args: argparse.Namespace) -> int:
     from replicas.models.trace_recorder import record_traces
-    from scheduling.evaluation import compare_estimators, format_comparison
+    from scheduling.evaluation import compare_estimators, compare_post_draft, format_comparison
 
     traces, domains = record_traces(prompts_per_domain=args.prompts, repeats=args.repeats, temperature=args.temperature)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,10 @@ def cmd_models_traces(args: argparse.Namespace) -> int:
     print(f"recorded {len(traces)} verification steps ({', '.join(f'{d}: {(domains == d).sum()}' for d in sorted(set(domains)))}); wrote {args.out}")
     reports = compare_estimators(traces)
     print(format_comparison(reports))
-    _write_json(args.json, {name: {"mean_auc": r.mean_auc, "mean_brier": r.mean_brier, "mean_ece": r.mean_ece, **r.model_dump()} for name, r in reports.items()})
+    post = compare_post_draft(traces)
+    print("post-draft survival Brier (held out): " + ", ".join(f"{k} {v:.4f}" for k, v in post.items()))
+    payload = {name: {"mean_auc": r.mean_auc, "mean_brier": r.mean_brier, "mean_ece": r.mean_ece, **r.model_dump()} for name, r in reports.items()}
+    _write_json(args.json, {**payload, "post_draft_brier": post})
     return 0
 
 
@@ -150,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     mbench.add_argument("--prompts", type=int, default=24, help="prompts per domain")
     mbench.set_defaults(func=cmd_models_bench)
     mtraces = models_sub.add_parser("traces", help="record acceptance traces through vLLM and score the estimators")
-    mtraces.add_argument("--out", default="results/traces.npz", help="where the traces go (.npz)")
+    mtraces.add_argument(
+        "--out", default="replicas/models/weights/traces.npz", help="where the traces go (.npz; the default is what WCS engines fit on)"
+    )
     mtraces.add_argument("--json", metavar="PATH", help="write the estimator comparison here")
     mtraces.add_argument("--prompts", type=int, default=64, help="prompts per domain")
     mtraces.add_argument("--repeats", type=int, default=1, help="generations per prompt")

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from replicas.models.build import WEIGHTS_DIR
+from replicas.wcs.config import WORKER_CLS, WCSConfig
 
 
 def cpu_engine_environment() -> None:
@@ -38,6 +39,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    wcs: WCSConfig | None = Field(default_factory=WCSConfig, description="None: vLLM's own speculation, no WCS")
 
     def vllm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -57,6 +59,9 @@ class EngineConfig(BaseModel):
                 "model": str(self.drafter.path),
                 "num_speculative_tokens": self.drafter.num_speculative_tokens,
             }
+            if self.wcs is not None:
+                kwargs["worker_cls"] = WORKER_CLS
+                kwargs["additional_config"] = self.wcs.additional_config()
         return kwargs
 
 
@@ -65,6 +70,15 @@ def make_llm(config: EngineConfig):
     cpu_engine_environment()
     from vllm import LLM
 
+    if config.wcs is not None and config.drafter is not None:
+        from replicas.wcs.profiler import with_cost_model
+
+        config = with_cost_model(config)
+        llm = LLM(**config.vllm_kwargs())
+        from replicas.wcs.profiler import ensure_profiled
+
+        ensure_profiled(llm, config)
+        return llm
     return LLM(**config.vllm_kwargs())
 
 

@@ -20,16 +20,17 @@ cpu_engine_environment()
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    return make_llm(EngineConfig())
+    # Plain vLLM speculation (no WCS): these tests are about the models inside vLLM.
+    return make_llm(EngineConfig(wcs=None))
 
 
 def recorder_of(llm):
-    """One TraceRecorder per engine: acceptance counted from the engine's own verdicts (vLLM's
+    """One VerdictCounter per engine: acceptance counted from the engine's own verdicts (vLLM's
     Prometheus counters only follow the newest engine in a process)."""
-    from replicas.models.trace_recorder import TraceRecorder
+    from replicas.models.verdicts import VerdictCounter
 
     if not hasattr(llm, "_forespark_recorder"):
-        llm._forespark_recorder = TraceRecorder(llm, EngineConfig().drafter.num_speculative_tokens)
+        llm._forespark_recorder = VerdictCounter(llm)
     return llm._forespark_recorder
 
 
@@ -43,7 +44,7 @@ def narrow_llm():
     # Engines live as long as the module: dropping one tears down vLLM's process-wide parallel state.
     from replicas.engine import DrafterConfig
 
-    return make_llm(EngineConfig(drafter=DrafterConfig(num_speculative_tokens=3)))
+    return make_llm(EngineConfig(drafter=DrafterConfig(num_speculative_tokens=3), wcs=None))
 
 
 def greedy_tokens(llm, prompts, max_tokens=48):

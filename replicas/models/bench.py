@@ -98,9 +98,9 @@ def run_models_bench(
 ) -> ModelsBench:
     from vllm import SamplingParams, TokensPrompt
 
-    from replicas.models.trace_recorder import TraceRecorder
+    from replicas.models.verdicts import VerdictCounter
 
-    engine = engine or EngineConfig()
+    engine = engine or EngineConfig(wcs=None)  # the drafter in plain vLLM
     block = engine.drafter.num_speculative_tokens if engine.drafter else DrafterConfig().num_speculative_tokens
     widths = sorted(set(widths or range(1, block + 1)) | {block})
     prompts = {d: load_workloads()[d][:prompts_per_domain] for d in DOMAINS}
@@ -110,7 +110,7 @@ def run_models_bench(
     for w in widths:
         config = engine.model_copy(update={"drafter": DrafterConfig(num_speculative_tokens=w)})
         llm = make_llm(config)
-        recorder = TraceRecorder(llm, w)
+        recorder = VerdictCounter(llm)
         for domain in DOMAINS:
             before = read_spec_counters(llm)
             params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in prompts[domain]]
@@ -133,10 +133,7 @@ def run_models_bench(
                 SamplingParams(temperature=0.0, max_tokens=w + 2),
                 use_tqdm=False,
             )
-            first: dict[int, int] = {}
-            for _f, _h, _d, acc, req in recorder.rows[start:]:
-                first.setdefault(req, acc)
-            anchored[domain][str(w)] = list(first.values())
+            anchored[domain][str(w)] = recorder.first_accepted(start)
         del llm, recorder
         gc.collect()  # tear this engine down now, not in the middle of the next one
         if progress:

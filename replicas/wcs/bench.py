@@ -1,0 +1,182 @@
+"""`forespark bench engine`: every policy on one WCS engine, same workload, at several concurrencies.
+
+One engine is built once; policies are switched between runs through the
+workers (`wcs_set_policy`), interleaved per concurrency level so machine
+drift hits all of them alike. A run keeps `c` requests in flight (closed
+loop) from the mixed-domain workload until `requests_per_slot * c` have
+finished, then aborts the rest. Throughput counts every token emitted in the
+window; the per-request generation rate is each finished request's
+(n - 1) / (E2E - TTFT), i.e. 1 / TPOT, reported as the median.
+
+Policies are compared at a matched per-request generation rate: each
+policy's (rate, throughput) points form a curve, and throughput is
+interpolated at the lowest rate both curves reach (the highest load the runs
+cover).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+from pydantic import BaseModel
+
+from replicas.wcs.stats import WCSStats
+
+POLICIES = ("ar", "static", "dspark", "wcs")
+CONCURRENCY = (1, 4, 16, 64, 128)
+
+
+class EngineRun(BaseModel):
+    policy: str
+    concurrency: int
+    finished: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    per_request_rate: float  # median tokens/s seen by one request (1 / TPOT)
+    mean_accepted_length: float
+    draft_waste: float
+    draft_share: float  # drafting's share of runner step time
+    planner_share: float
+    steps: int
+
+
+class EngineBench(BaseModel):
+    ratios: dict[str, float | None]
+    matched_rate: dict[str, float | None]  # the per-request rate each ratio is taken at
+    rows: list[EngineRun]
+
+
+def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens: int | None, tag: str) -> dict:
+    """Keep `concurrency` requests in flight until `total` finish, then abort the rest.
+
+    Returns the window's seconds, tokens emitted in it, finished count, and per-request rates.
+    """
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    first: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    in_flight: set[str] = set()
+    rates: list[float] = []
+    submitted = finished = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        p = prompts[submitted % len(prompts)]
+        rid = f"{tag}-{submitted}"
+        engine.add_request(rid, p.prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens or p.max_tokens))
+        in_flight.add(rid)
+        submitted += 1
+
+    start = time.perf_counter()
+    for _ in range(concurrency):
+        submit()
+    while finished < total:
+        for out in engine.step():
+            now = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in first:
+                first[out.request_id] = now
+            tokens[out.request_id] = n
+            if out.finished:
+                finished += 1
+                in_flight.discard(out.request_id)
+                if n > 1 and now > first[out.request_id]:
+                    rates.append((n - 1) / (now - first[out.request_id]))
+                submit()
+    seconds = time.perf_counter() - start
+    engine.abort_request(sorted(in_flight))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"seconds": seconds, "tokens": sum(tokens.values()), "finished": finished, "rates": rates}
+
+
+def matched_ratio(rows: list[EngineRun], ours: str, base: str) -> tuple[float | None, float | None]:
+    """Throughput ratio ours/base at the lowest per-request rate both policies' runs reach."""
+
+    def curve(policy: str) -> tuple[np.ndarray, np.ndarray]:
+        pts = sorted((r.per_request_rate, r.tokens_per_s) for r in rows if r.policy == policy and r.per_request_rate > 0)
+        return np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+
+    (ro, to), (rb, tb) = curve(ours), curve(base)
+    if not len(ro) or not len(rb):
+        return None, None
+    rate = max(ro.min(), rb.min())
+    if rate > min(ro.max(), rb.max()):
+        return None, None  # the curves do not overlap
+    return float(np.interp(rate, ro, to) / np.interp(rate, rb, tb)), float(rate)
+
+
+def run_engine_bench(
+    policies: tuple[str, ...] = POLICIES,
+    concurrency: tuple[int, ...] = CONCURRENCY,
+    requests_per_slot: int = 2,
+    max_tokens: int | None = None,
+    engine_config=None,
+    progress: Callable[[str], None] | None = None,
+) -> EngineBench:
+    from replicas.engine import EngineConfig, make_llm
+    from replicas.models.workloads import mixed_workload
+
+    config = engine_config or EngineConfig(max_num_seqs=max(concurrency))
+    llm = make_llm(config)
+    prompts = mixed_workload(128, seed=config.seed)
+    # Warm every code path once before timing.
+    for policy in policies:
+        llm.collective_rpc("wcs_set_policy", args=(policy,))
+        run_closed_loop(llm, prompts, 2, 2, 8, tag=f"warm-{policy}")
+    rows: list[EngineRun] = []
+    for c in concurrency:
+        for policy in policies:
+            llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
+            out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}")
+            stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
+            row = EngineRun(
+                policy=policy,
+                concurrency=c,
+                finished=out["finished"],
+                output_tokens=out["tokens"],
+                seconds=out["seconds"],
+                tokens_per_s=out["tokens"] / out["seconds"],
+                per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
+                mean_accepted_length=stats.mean_accepted_length,
+                draft_waste=stats.draft_waste,
+                draft_share=stats.draft_share,
+                planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
+                steps=stats.steps,
+            )
+            rows.append(row)
+            if progress:
+                progress(format_rows([row], header=not rows[:-1]))
+    ratios, rates = {}, {}
+    for base in ("dspark", "ar", "static"):
+        if "wcs" in policies and base in policies:
+            ratios[f"wcs_vs_{base}"], rates[f"wcs_vs_{base}"] = matched_ratio(rows, "wcs", base)
+    return EngineBench(ratios=ratios, matched_rate=rates, rows=rows)
+
+
+def format_rows(rows: list[EngineRun], header: bool = True) -> str:
+    lines = []
+    if header:
+        lines.append(
+            f"{'policy':>7} {'conc':>5} {'tok/s':>8} {'tok/s/req':>9} {'acc len':>7} {'waste':>6} {'draft%':>6} {'plan%':>6}"
+        )
+    for r in rows:
+        lines.append(
+            f"{r.policy:>7} {r.concurrency:>5} {r.tokens_per_s:>8.1f} {r.per_request_rate:>9.2f} "
+            f"{r.mean_accepted_length:>7.2f} {r.draft_waste:>6.1%} {r.draft_share:>6.1%} {r.planner_share:>6.1%}"
+        )
+    return "\n".join(lines)
+
+
+def format_engine_bench(result: EngineBench) -> str:
+    lines = [format_rows(result.rows)]
+    for name, ratio in result.ratios.items():
+        rate = result.matched_rate[name]
+        lines.append(
+            f"{name}: {ratio:.2f}x at {rate:.2f} tok/s per request" if ratio is not None else f"{name}: curves do not overlap"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""One engine step's WCS decisions, free of vLLM: verdicts in, draft widths d_i and verify lengths v_i out.
+
+The runner calls, every step and in this order: `observe` (what the last
+step's drafts turned into), `plan` (pre-draft widths from the estimator and
+the planner), `verify` (post-draft verify lengths from the drafter's
+confidences). Every policy goes through these same calls; a policy only
+changes the bounds and floors `scheduling.policies.Policy` hands the planner
+and the allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from replicas.wcs.config import WCSConfig
+from replicas.wcs.features import AcceptanceTracker
+from replicas.wcs.stats import WCSStats
+from scheduling.calibration import PostDraftCalibrator
+from scheduling.cost_model import StepCostModel
+from scheduling.estimators import ESTIMATORS, ConstantEstimator, SurvivalEstimator
+from scheduling.planner import DraftPlan
+from scheduling.policies import Policy, PolicyName, StepLimits
+from scheduling.survival import hazards_from_survival
+from scheduling.traces import PreDraftInputs, Traces
+
+logger = logging.getLogger(__name__)
+
+# Used only until the engine's own profile is loaded (`replicas.wcs.profiler`); logged when used.
+UNPROFILED_COST = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.02, per_target_ms=0.05)
+
+
+def fit_estimators(config: WCSConfig, k: int) -> tuple[SurvivalEstimator, PostDraftCalibrator]:
+    """The configured pre-draft estimator and the post-draft calibrator, fitted on the traces file.
+
+    Without traces (recording them needs none): a constant prior and the raw drafter confidences.
+    """
+    calibrator = PostDraftCalibrator(k)
+    if not config.traces.exists():
+        logger.warning("no acceptance traces at %s: the estimator starts from a constant prior", config.traces)
+        return ConstantEstimator(k), calibrator
+    traces = Traces.load(config.traces)
+    if traces.k != k:
+        raise ValueError(f"traces at {config.traces} have K={traces.k}; the drafter drafts K={k}")
+    estimator = ESTIMATORS[config.estimator](k).fit(traces)
+    if traces.confidence is not None:
+        prior = hazards_from_survival(estimator.predict(traces.inputs))
+        calibrator.fit(traces.confidence, prior, traces.drafted, traces.accepted)
+    return estimator, calibrator
+
+
+class StepController:
+    def __init__(
+        self,
+        config: WCSConfig,
+        k: int,
+        estimator: SurvivalEstimator,
+        calibrator: PostDraftCalibrator | None = None,
+        cost: StepCostModel | None = None,
+        token_budget: int | None = None,
+    ) -> None:
+        self.config = config
+        self.k = k
+        self.estimator = estimator
+        self.calibrator = calibrator if calibrator is not None else PostDraftCalibrator(k)
+        self.cost = cost
+        self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.tpot_slo_ms)
+        self.tracker = AcceptanceTracker(k, config.history_decay)
+        self.set_policy(config.policy)
+        self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
+        self.profiling_skip = 0.25  # ... and this share of those steps drafting nothing
+        self.recorded: list[Traces] | None = None  # verdict rows, when recording traces
+        self._plan: DraftPlan | None = None
+        self._req_ids: list[str] = []
+        self._inputs: PreDraftInputs | None = None
+        self._prior = np.zeros((0, k))
+        self._draft = np.zeros(0, dtype=np.int64)
+
+    def set_policy(self, name: PolicyName | str) -> None:
+        self.policy = Policy(name=PolicyName(name), k=self.k)
+        if self.policy.name == PolicyName.ORACLE:
+            raise ValueError("the oracle policy needs true acceptances: replay and simulation only")
+        self.stats = WCSStats(policy=self.policy.name.value, k=self.k)
+        self._ever_drafts = bool(self.policy.draft_bounds(np.full(1, self.k))[1].any())
+
+    @property
+    def cost_model(self) -> StepCostModel:
+        return self.cost if self.cost is not None else UNPROFILED_COST
+
+    def observe(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> None:
+        """The scheduler verified `verified[i]` of request i's last drafts and `accepted[i]` were accepted."""
+        self.stats.add_positions("verified_per_pos", verified)
+        self.stats.add_positions("accepted_per_pos", accepted)
+        self.stats.verify_steps += int((verified > 0).sum())
+        verdicts = self.tracker.verdicts(req_ids, verified, accepted)
+        if verdicts is None:
+            return
+        rows = verdicts.rows
+        self.estimator.update(rows.inputs, rows.drafted, rows.accepted)
+        self.calibrator.update(rows.confidence, verdicts.prior, rows.drafted, rows.accepted)
+        if self.recorded is not None:
+            self.recorded.append(rows)
+
+    def plan(
+        self,
+        req_ids: list[str],
+        features: np.ndarray | None,
+        max_width: np.ndarray,
+        share: Callable[[Any], Any] | None = None,
+    ) -> np.ndarray:
+        """Draft widths d_i <= max_width_i (0 for requests that cannot use a draft now).
+
+        `features` may be None only when `needs_drafter()` is False. `share` makes every
+        tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`).
+        """
+        self._plan = None
+        self._req_ids = req_ids
+        if not self.needs_drafter():
+            draft = np.zeros(len(req_ids), dtype=np.int64)
+        else:
+            self._inputs = self.tracker.pre_draft(req_ids, features)
+            survival = self.estimator.predict(self._inputs)
+            self._prior = hazards_from_survival(survival)
+            if self.profiling is not None:
+                # Some profiled steps draft nothing: the drafter's launch cost is then visible.
+                draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
+            else:
+                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width)
+                draft = self._plan.draft
+            if share is not None:
+                self._plan, draft = share((self._plan, draft))
+        self._draft = np.asarray(draft, dtype=np.int64)
+        self.stats.steps += 1
+        self.stats.planned_requests += len(req_ids)
+        self.stats.add_positions("drafted_per_pos", self._draft)
+        return self._draft
+
+    def needs_drafter(self) -> bool:
+        """False when no request ever drafts under this policy (`ar`): the drafter need not run at all,
+        not even to store context K/V for later drafts."""
+        return self.profiling is not None or self._ever_drafts
+
+    def verify(self, confidence: np.ndarray) -> np.ndarray:
+        """Verify lengths v_i <= d_i from the drafter's per-position max probabilities (B, K).
+
+        The confidences are the draft distribution's maxima, computed without
+        the drafted token itself, so admission in sorted order with an early
+        stop is a stopping rule (DESIGN.md, Losslessness).
+        """
+        draft = self._draft
+        if self._inputs is not None and draft.any():
+            self.tracker.drafted(self._req_ids, self._inputs, self._prior, confidence, draft)
+        if self.profiling is not None:
+            return self.profiling.integers(0, draft + 1)
+        if self._plan is None or not draft.any():
+            return np.zeros_like(draft)
+        post = self.calibrator.survival(confidence, self._prior, draft)
+        return self.policy.verify(post, self._plan, self.cost_model, self.limits)
+
+    def finish(self, req_ids) -> None:
+        self.tracker.forget(req_ids)

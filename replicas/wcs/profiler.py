@@ -1,0 +1,105 @@
+"""The engine's own step-cost model, profiled from real timed steps at engine start.
+
+With random widths (chosen without looking at any draft, so outputs keep
+their distribution) the engine decodes batches of 1, 2, 4, ... requests; each
+decode step logs (requests R, drafted tokens D, target tokens N) and its
+period, the time from its start to the next step's start (the whole engine
+loop: scheduling, target, sampling, drafting, output handling). A monotone
+piecewise-linear T(R, D, N) is fitted to the periods and stored beside the
+engine's config, or in a cache keyed by the engine config and the machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from scheduling.cost_model import StepCostModel
+
+PROFILE_TOKENS = 40  # tokens per request per batch; ~10-20 decode steps at random widths
+PROFILE_VERSION = 3  # bump when what is profiled or how it is fitted changes: cached profiles are then redone
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FORESPARK_CACHE", Path.home() / ".cache" / "forespark"))
+
+
+def _machine() -> str:
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.machine()}|{cpu}|{os.cpu_count()}"
+
+
+def with_cost_model(config):
+    """`config` (an EngineConfig) with its WCS cost-model path filled in."""
+    if config.wcs.cost_model is not None:
+        return config
+    key = config.model_dump(mode="json", exclude={"wcs", "seed"})
+    digest = hashlib.sha256(json.dumps([key, _machine(), PROFILE_VERSION], sort_keys=True).encode()).hexdigest()[:16]
+    wcs = config.wcs.model_copy(update={"cost_model": cache_dir() / "step_cost" / f"{digest}.json"})
+    return config.model_copy(update={"wcs": wcs})
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1]
+    while sizes[-1] * 2 <= max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def decode_samples(steps: list[dict]) -> np.ndarray:
+    """(n, 4) rows of R, D, N, period-ms for decode steps followed directly by another step."""
+    rows = []
+    for step, nxt in zip(steps, steps[1:]):
+        period = (nxt["start"] - step["start"]) * 1e3
+        # A gap well beyond the step's own time is the engine idling between batches.
+        if step["prefill"] or not step["requests"] or period > 2.0 * step["runner_ms"] + 20.0:
+            continue
+        rows.append((step["requests"], step["drafted_tokens"], step["target_tokens"], period))
+    return np.array(rows, dtype=np.float64).reshape(-1, 4)
+
+
+def profile(llm, max_num_seqs: int, seed: int = 0, progress: bool = True) -> StepCostModel:
+    """Profile a built `vllm.LLM` with WCS and load the fitted model into its workers."""
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from replicas.models.workloads import mixed_workload
+
+    sizes = batch_sizes(max_num_seqs)
+    prompts = [p.prompt for p in mixed_workload(sizes[-1], seed=seed)]
+    params = SamplingParams(temperature=0.0, max_tokens=PROFILE_TOKENS, ignore_eos=True)
+    llm.collective_rpc("wcs_profiling", args=(seed,))
+    llm.collective_rpc("wcs_step_log", args=(True,))
+    try:
+        for size in tqdm(sizes, desc="profiling step cost (batch sizes)", disable=not progress):
+            llm.generate(prompts[:size], params, use_tqdm=False)
+    finally:
+        steps = llm.collective_rpc("wcs_step_log", args=(False,))[0]
+        llm.collective_rpc("wcs_profiling", args=(None,))
+    samples = decode_samples(steps)
+    if len(samples) < 8:
+        raise RuntimeError(f"profiling logged only {len(samples)} decode steps")
+    cost = StepCostModel.fit(*samples.T)
+    llm.collective_rpc("wcs_set_cost_model", args=(cost.model_dump_json(),))
+    return cost
+
+
+def ensure_profiled(llm, config) -> StepCostModel:
+    """Load the stored cost model for this engine config, or profile now and store it."""
+    path = config.wcs.cost_model
+    stored = llm.collective_rpc("wcs_cost_model")[0]
+    if stored is not None:
+        return StepCostModel.model_validate_json(stored)
+    cost = profile(llm, config.max_num_seqs, seed=config.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cost.save(path)
+    return cost

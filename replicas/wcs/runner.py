@@ -1,0 +1,231 @@
+"""The V1 model runner with WCS: ragged draft widths before drafting, ragged verify lengths after.
+
+`install` turns a live runner (CPU or GPU V1) into a subclass of its own
+class with `WCSRunnerMixin` first, and its DFlash drafter into
+`RaggedDFlashProposer`; neither adds constructor state, so swapping
+`__class__` after the runner is built is safe. Each step:
+
+1. `_sample`: the target's output distribution stats per sampled row (before
+   the samplers edit the logits in place);
+2. `propose_draft_token_ids`: verdicts of the last drafts -> controller;
+   pre-draft features at each request's newest token -> widths d_i (shared
+   from the first TP rank) -> ragged drafting (context K/V only when every
+   d_i is 0) -> verify lengths v_i; drafts past v_i become -1;
+3. `take_draft_token_ids`: the -1 tail is cut, so the scheduler schedules
+   exactly 1 + v_i tokens for request i next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from replicas.wcs.controller import StepController
+from replicas.wcs.features import FeatureExtractor, distribution_stats
+from replicas.wcs.proposer import RaggedDFlashProposer
+from replicas.wcs.sharing import share_from_first_rank
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True)
+class StepSample:
+    """One runner step, for profiling the cost model and for the step log."""
+
+    start: float  # perf_counter at execute_model
+    requests: int  # R
+    target_tokens: int  # N: tokens the target ran (R + verified drafts when no prefill)
+    drafted_tokens: int  # D: sum of d_i drafted this step
+    drafter_rows: int  # query rows the drafter's forward pass ran (0 when it only stored context K/V)
+    prefill: bool  # some request was prefilling: not a decode step
+    runner_ms: float
+    draft_ms: float
+    planner_ms: float
+    planned: tuple[str, ...]  # requests planned this step
+
+
+class WCSRunnerMixin:
+    wcs: StepController
+    wcs_features: FeatureExtractor
+    wcs_log: list[StepSample] | None = None  # set to a list to keep every step
+    _wcs_dist: torch.Tensor | None = None
+    _wcs_step: StepSample | None = None
+    _wcs_fresh: bool = False
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        counts = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        self._wcs_step = StepSample(
+            start=time.perf_counter(),
+            requests=len(counts),
+            target_tokens=scheduler_output.total_num_scheduled_tokens,
+            drafted_tokens=0,
+            drafter_rows=0,
+            prefill=any(n != 1 + len(spec.get(r, ())) for r, n in counts.items()),
+            runner_ms=0.0,
+            draft_ms=0.0,
+            planner_ms=0.0,
+            planned=(),
+        )
+        self.wcs.finish(scheduler_output.finished_req_ids)
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        self._wcs_step.runner_ms += (time.perf_counter() - self._wcs_step.start) * 1e3
+        return out
+
+    def sample_tokens(self, grammar_output):
+        self._wcs_fresh = False
+        t0 = time.perf_counter()
+        out = super().sample_tokens(grammar_output)
+        step = self._wcs_step
+        if step is not None and step.requests:
+            step.runner_ms += (time.perf_counter() - t0) * 1e3
+            stats = self.wcs.stats
+            stats.step_ms += step.runner_ms
+            stats.draft_ms += step.draft_ms
+            stats.planner_ms += step.planner_ms
+            stats.target_ms += step.runner_ms - step.draft_ms - step.planner_ms
+            if self.wcs_log is not None:
+                self.wcs_log.append(step)
+        self._wcs_step = None
+        return out
+
+    def _sample(self, logits, spec_decode_metadata):
+        self._wcs_dist = distribution_stats(logits) if logits is not None else None
+        return super()._sample(logits, spec_decode_metadata)
+
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
+        t0 = time.perf_counter()
+        ctl = self.wcs
+        req_ids = list(self.input_batch.req_ids)
+        batch = len(req_ids)
+        k = ctl.k
+        sampled = sampled_token_ids if torch.is_tensor(sampled_token_ids) else None
+        if sampled is None:
+            raise RuntimeError("WCS needs the padded drafter batch (sampled token ids as a tensor)")
+        verified = (
+            np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+            if spec_decode_metadata is not None
+            else np.zeros(batch, dtype=np.int64)
+        )
+        emitted = (sampled[:batch] != -1).sum(dim=1).cpu().numpy().astype(np.int64)
+        accepted = np.clip(emitted - 1, 0, verified)
+        ctl.observe(req_ids, verified, accepted)
+
+        states = [self.requests[r] for r in req_ids]
+        generated = np.array([len(s.output_token_ids) for s in states]) + emitted
+        max_width = self._wcs_max_width(states, generated, emitted, batch, k)
+        if not ctl.needs_drafter():
+            # No request ever drafts under this policy (`ar`): no features, no drafter, no context K/V.
+            ctl.plan(req_ids, None, max_width)
+            self._wcs_record((time.perf_counter() - t0) * 1e3, 0.0, 0, req_ids)
+            self._wcs_fresh = True
+            return torch.empty(batch, 0, dtype=torch.int64, device=sample_hidden_states.device)
+
+        # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
+        offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])
+        rows = torch.from_numpy(offsets + accepted)
+        features = self.wcs_features(sample_hidden_states[rows], self._wcs_dist[rows], generated)
+        draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
+        planner_ms = (time.perf_counter() - t0) * 1e3
+        drafter = self.drafter
+        drafter.widths = torch.from_numpy(draft)
+        drafter.forward_rows = 0
+        t1 = time.perf_counter()
+        try:
+            out = super().propose_draft_token_ids(
+                scheduler_output,
+                sampled_token_ids,
+                sampling_metadata,
+                hidden_states,
+                sample_hidden_states,
+                aux_hidden_states,
+                spec_decode_metadata,
+                common_attn_metadata,
+                slot_mappings,
+            )
+        finally:
+            drafter.widths = None
+        draft_ms = (time.perf_counter() - t1) * 1e3
+        if drafter.forward_rows:
+            ctl.stats.drafter_passes += 1
+            ctl.stats.drafter_rows += drafter.forward_rows
+            if self._wcs_step is not None:
+                self._wcs_step.drafter_rows = drafter.forward_rows
+        t2 = time.perf_counter()
+        verify = ctl.verify(drafter.confidence.numpy())
+        out[torch.arange(out.shape[1], device=out.device)[None, :] >= torch.from_numpy(verify).to(out.device)[:, None]] = -1
+        planner_ms += (time.perf_counter() - t2) * 1e3
+        self._wcs_record(planner_ms, draft_ms, int(draft.sum()), req_ids)
+        self._wcs_fresh = True
+        return out
+
+    def _wcs_max_width(self, states, generated: np.ndarray, emitted: np.ndarray, batch: int, k: int) -> np.ndarray:
+        """Widest useful draft per request: 0 while prefilling, never past max_tokens or the context."""
+        max_tokens = np.array([s.sampling_params.max_tokens or 0 for s in states], dtype=np.int64)
+        context = np.array([s.num_tokens for s in states], dtype=np.int64) + emitted
+        room = np.minimum(max_tokens - generated, self.max_model_len - context) - 1
+        width = np.clip(room, 0, k)
+        width[self.discard_request_mask.np[:batch].astype(bool)] = 0
+        return width
+
+    def _wcs_record(self, planner_ms: float, draft_ms: float, drafted: int, req_ids: list[str]) -> None:
+        step = self._wcs_step
+        if step is not None:
+            step.planner_ms += planner_ms
+            step.draft_ms += draft_ms
+            step.drafted_tokens = drafted
+            step.planned = tuple(req_ids)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        if not self._wcs_fresh:
+            # The drafter did not run through WCS this step (e.g. the input did not fit it): no drafts.
+            ids = super().take_draft_token_ids()
+            return None if ids is None else DraftTokenIds(ids.req_ids, [[] for _ in ids.req_ids])
+        ids = super().take_draft_token_ids()
+        if ids is None:
+            return None
+        return DraftTokenIds(ids.req_ids, [_strip(x) for x in ids.draft_token_ids])
+
+
+def _strip(tokens: list[int]) -> list[int]:
+    for n, t in enumerate(tokens):
+        if t < 0:
+            return tokens[:n]
+    return tokens
+
+
+_RUNNER_CLASSES: dict[type, type] = {}
+
+
+def install(runner, controller: StepController) -> None:
+    """Turn a built V1 runner (before `load_model`) into a WCS runner with a ragged DFlash drafter."""
+    drafter = getattr(runner, "drafter", None)
+    if not isinstance(drafter, DFlashProposer):
+        raise ValueError("WCS needs a DFlash drafter (speculative_config.method = 'dflash')")
+    if runner.speculative_config.disable_padded_drafter_batch:
+        raise ValueError("WCS needs the padded drafter batch (disable_padded_drafter_batch = False)")
+    cls = type(runner)
+    if cls not in _RUNNER_CLASSES:
+        _RUNNER_CLASSES[cls] = type(f"WCS{cls.__name__}", (WCSRunnerMixin, cls), {})
+    runner.__class__ = _RUNNER_CLASSES[cls]
+    drafter.__class__ = RaggedDFlashProposer
+    runner.wcs = controller
+    runner.wcs_features = FeatureExtractor(runner.model_config.get_hidden_size(), controller.config.seed)
+    logger.info("ForeSpark WCS installed: policy=%s, K=%d", controller.policy.name, controller.k)

@@ -1,0 +1,98 @@
+"""`worker_cls` for engines with WCS: the platform's V1 worker, with the WCS runner installed.
+
+Engine kwargs: `worker_cls="replicas.wcs.worker.WCSWorker"` and
+`additional_config={"forespark": {...WCSConfig...}}`. The `wcs_*` methods are
+reached through `collective_rpc` (one answer per rank).
+"""
+
+from __future__ import annotations
+
+import io
+
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from replicas.wcs.config import WCSConfig
+from replicas.wcs.controller import StepController, fit_estimators
+from replicas.wcs.runner import install
+from scheduling.cost_model import StepCostModel
+from scheduling.traces import Traces
+
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
+else:
+    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker
+
+logger = init_logger(__name__)
+
+
+class WCSWorker(_PlatformWorker):
+    def init_device(self) -> None:
+        super().init_device()
+        config = WCSConfig.from_vllm(self.vllm_config.additional_config)
+        spec = self.vllm_config.speculative_config
+        if spec is None:
+            raise ValueError("WCS needs a speculative_config with a DFlash drafter")
+        k = spec.num_speculative_tokens
+        cost = None
+        if config.cost_model is not None and config.cost_model.exists():
+            cost = StepCostModel.load(config.cost_model)
+        estimator, calibrator = fit_estimators(config, k)
+        controller = StepController(
+            config,
+            k,
+            estimator,
+            calibrator,
+            cost,
+            token_budget=self.vllm_config.scheduler_config.max_num_batched_tokens,
+        )
+        install(self.model_runner, controller)
+
+    @property
+    def _wcs(self) -> StepController:
+        return self.model_runner.wcs
+
+    def wcs_stats(self) -> dict:
+        return self._wcs.stats.model_dump()
+
+    def wcs_live_requests(self) -> list[str]:
+        """Requests the controller still holds state for (acceptance history, pending draft features)."""
+        return self._wcs.tracker.live()
+
+    def wcs_set_policy(self, policy: str) -> None:
+        self._wcs.set_policy(policy)
+
+    def wcs_cost_model(self) -> str | None:
+        return None if self._wcs.cost is None else self._wcs.cost.model_dump_json()
+
+    def wcs_set_cost_model(self, cost_json: str) -> None:
+        self._wcs.cost = StepCostModel.model_validate_json(cost_json)
+
+    def wcs_profiling(self, seed: int | None, skip: float = 0.25) -> None:
+        """Random widths (lossless: chosen without looking at drafts), a `skip` share of steps drafting
+        nothing, while the step log fills; None stops."""
+        import numpy as np
+
+        self._wcs.profiling = None if seed is None else np.random.default_rng(seed)
+        self._wcs.profiling_skip = skip
+
+    def wcs_step_log(self, keep: bool) -> list[dict]:
+        """The steps logged since the last call; `keep` turns logging on or off from now."""
+        from dataclasses import asdict
+
+        steps = [asdict(s) for s in (self.model_runner.wcs_log or [])]
+        self.model_runner.wcs_log = [] if keep else None
+        return steps
+
+    def wcs_record(self, on: bool) -> bytes | None:
+        """Start keeping verdict rows (`on`), or stop and return them as a `Traces` .npz."""
+        ctl = self._wcs
+        if on:
+            ctl.recorded = []
+            return None
+        rows, ctl.recorded = ctl.recorded or [], None
+        if not rows:
+            return None
+        buf = io.BytesIO()
+        Traces.concatenate(rows).save(buf)
+        return buf.getvalue()

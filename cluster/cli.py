@@ -2,6 +2,7 @@
 
     forespark demo                       offline planner demo (no server; what `make serve` runs for now)
     forespark bench planner [--json P]   decision time of the WCS planner per engine step
+    forespark bench engine [--json P]    every policy on one WCS vLLM engine, matched-rate throughput ratios
     forespark models build [--check]     train the embedded target + drafter from the standard library
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
@@ -14,6 +15,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    engine_policies = ("ar", "static", "dspark", "wcs")
+    names = tuple(v.strip() for v in text.split(","))
+    bad = [n for n in names if n not in engine_policies]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown policies {bad}; choose from {','.join(engine_policies)}")
+    return names
 
 
 def _write_json(path: str | None, payload: dict) -> None:
@@ -84,6 +94,23 @@ def cmd_models_build(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from replicas.wcs.bench import format_engine_bench, run_engine_bench
+
+    result = run_engine_bench(
+        policies=args.policies,
+        concurrency=args.concurrency,
+        requests_per_slot=args.requests_per_slot,
+        reps=args.reps,
+        max_tokens=args.max_tokens,
+        progress=lambda msg: print(msg, flush=True),
+    )
+    print()
+    print(format_engine_bench(result))
+    _write_json(args.json, result.model_dump())
+    return 0
+
+
 def cmd_models_bench(args: argparse.Namespace) -> int:
     from replicas.models.bench import format_models_bench, run_models_bench
 
@@ -139,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--ks", type=_int_list, default=(4, 8, 16), help="comma-separated block sizes")
     planner.add_argument("--reps", type=int, default=3000, help="timed decisions per configuration")
     planner.set_defaults(func=cmd_bench_planner)
+    engine = bench_sub.add_parser("engine", help="every policy on one WCS vLLM engine at several concurrencies")
+    engine.add_argument("--json", metavar="PATH", help="write {ratios, matched_rate, rows} here")
+    engine.add_argument("--policies", type=_policy_list, default=("ar", "static", "dspark", "wcs"), help="comma-separated policies")
+    engine.add_argument("--concurrency", type=_int_list, default=(1, 4, 16, 64, 128), help="requests in flight")
+    engine.add_argument("--requests-per-slot", type=int, default=2, help="finished requests per run = this x concurrency")
+    engine.add_argument("--reps", type=int, default=3, help="interleaved runs per (policy, concurrency); rows are medians")
+    engine.add_argument("--max-tokens", type=int, default=None, help="cap output tokens (default: the workload's)")
+    engine.set_defaults(func=cmd_bench_engine)
 
     models = sub.add_parser("models", help="the embedded target and drafter")
     models_sub = models.add_subparsers(dest="models", required=True)

@@ -62,6 +62,8 @@ class EngineConfig(BaseModel):
             if self.wcs is not None:
                 kwargs["worker_cls"] = WORKER_CLS
                 kwargs["additional_config"] = self.wcs.additional_config()
+                # WCS hands the scheduler each step's drafts synchronously (the CPU build is always sync).
+                kwargs["async_scheduling"] = False
         return kwargs
 
 

@@ -121,17 +121,20 @@ class ContextEstimator(SurvivalEstimator):
         self.offset = np.zeros(k)
         self._fill = 0.5
 
+    def _raw(self, inputs: PreDraftInputs) -> np.ndarray:
+        # A missing history is imputed, never flagged: in traces recorded with every request drafting, "no
+        # history" only ever meant "first draft after prefill", while a serving engine that lets a request
+        # go without drafts keeps it unknown for long. The position feature tells the first draft apart.
+        hist = np.where(np.isnan(inputs.history), self._fill, inputs.history)
+        return np.column_stack([inputs.features, hist])
+
     def _design(self, inputs: PreDraftInputs) -> np.ndarray:
-        has = ~np.isnan(inputs.history)
-        hist = np.where(has, inputs.history, self._fill)
-        x = np.column_stack([inputs.features, hist, has.astype(np.float64)])
-        return (x - self.mean) / self.scale
+        return (self._raw(inputs) - self.mean) / self.scale
 
     def fit(self, traces: Traces) -> "ContextEstimator":
         h = traces.inputs.history
         self._fill = float(np.nanmean(h)) if np.any(~np.isnan(h)) else 0.5
-        has = ~np.isnan(h)
-        raw = np.column_stack([traces.inputs.features, np.where(has, h, self._fill), has.astype(np.float64)])
+        raw = self._raw(traces.inputs)
         self.mean = raw.mean(axis=0)
         self.scale = np.where(raw.std(axis=0) > 1e-9, raw.std(axis=0), 1.0)
         x = self._design(traces.inputs)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduling.cost_model import StepCostModel
-from scheduling.slots import check_survival, rank_slots
+from scheduling.slots import check_survival, prefix_mask, rank_slots
 
 
 @dataclass(slots=True)
@@ -64,6 +64,19 @@ def plan_step(
         check_survival(survival)
     b, k = survival.shape
     lo_, hi_ = bounds(b, k, lo, hi)
+    if cost.draft_launch_ms > 0 and (lo_ is None or not lo_.any()):
+        # Exact early exit: even every allowed slot, at no cost beyond launching the drafter, would not
+        # beat drafting nothing (the common case where drafting does not pay, at a fraction of the sort).
+        base_ms = cost.step_ms(b, 0, b)
+        best_gain = float(survival.sum() if hi_ is None else survival[prefix_mask(hi_, k)].sum())
+        if (b + best_gain) * base_ms <= b * (base_ms + cost.draft_launch_ms):
+            return DraftPlan(
+                draft=np.zeros(b, dtype=np.int64),
+                slots=np.zeros(0, dtype=np.int64),
+                verify_cap=0,
+                expected_tokens=float(b),
+                step_ms=base_ms,
+            )
     ranking = rank_slots(
         survival, cost, lo=lo_, hi=hi_, drafted_tokens=None, token_budget=token_budget, time_cap_ms=time_cap_ms,
     )

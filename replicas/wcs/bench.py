@@ -1,12 +1,13 @@
 """`forespark bench engine`: every policy on one WCS engine, same workload, at several concurrencies.
 
 One engine is built once; policies are switched between runs through the
-workers (`wcs_set_policy`), interleaved per concurrency level so machine
-drift hits all of them alike. A run keeps `c` requests in flight (closed
-loop) from the mixed-domain workload until `requests_per_slot * c` have
-finished, then aborts the rest. Throughput counts every token emitted in the
-window; the per-request generation rate is each finished request's
-(n - 1) / (E2E - TTFT), i.e. 1 / TPOT, reported as the median.
+workers (`wcs_set_policy`), interleaved per concurrency level and repetition
+so machine drift hits all of them alike. A run keeps `c` requests in flight
+(closed loop) from the mixed-domain workload until `requests_per_slot * c`
+have finished, then aborts the rest. Throughput counts every token emitted in
+the window; the per-request generation rate is each finished request's
+(n - 1) / (E2E - TTFT), i.e. 1 / TPOT, its median over the run. A row
+reports, per policy and concurrency, the median over `reps` runs.
 
 Policies are compared at a matched per-request generation rate: each
 policy's (rate, throughput) points form a curve, and throughput is
@@ -41,6 +42,7 @@ class EngineRun(BaseModel):
     draft_share: float  # drafting's share of runner step time
     planner_share: float
     steps: int
+    reps: int = 1  # runs whose medians these are
 
 
 class EngineBench(BaseModel):
@@ -114,6 +116,7 @@ def run_engine_bench(
     policies: tuple[str, ...] = POLICIES,
     concurrency: tuple[int, ...] = CONCURRENCY,
     requests_per_slot: int = 2,
+    reps: int = 3,
     max_tokens: int | None = None,
     engine_config=None,
     progress: Callable[[str], None] | None = None,
@@ -130,32 +133,48 @@ def run_engine_bench(
         run_closed_loop(llm, prompts, 2, 2, 8, tag=f"warm-{policy}")
     rows: list[EngineRun] = []
     for c in concurrency:
+        runs: dict[str, list[EngineRun]] = {p: [] for p in policies}
+        for rep in range(reps):
+            for policy in policies:
+                llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
+                out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}")
+                stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
+                runs[policy].append(
+                    EngineRun(
+                        policy=policy,
+                        concurrency=c,
+                        finished=out["finished"],
+                        output_tokens=out["tokens"],
+                        seconds=out["seconds"],
+                        tokens_per_s=out["tokens"] / out["seconds"],
+                        per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
+                        mean_accepted_length=stats.mean_accepted_length,
+                        draft_waste=stats.draft_waste,
+                        draft_share=stats.draft_share,
+                        planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
+                        steps=stats.steps,
+                    )
+                )
         for policy in policies:
-            llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
-            out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}")
-            stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
-            row = EngineRun(
-                policy=policy,
-                concurrency=c,
-                finished=out["finished"],
-                output_tokens=out["tokens"],
-                seconds=out["seconds"],
-                tokens_per_s=out["tokens"] / out["seconds"],
-                per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
-                mean_accepted_length=stats.mean_accepted_length,
-                draft_waste=stats.draft_waste,
-                draft_share=stats.draft_share,
-                planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
-                steps=stats.steps,
-            )
-            rows.append(row)
+            rows.append(median_run(runs[policy]))
             if progress:
-                progress(format_rows([row], header=not rows[:-1]))
+                progress(format_rows([rows[-1]], header=len(rows) == 1))
     ratios, rates = {}, {}
     for base in ("dspark", "ar", "static"):
         if "wcs" in policies and base in policies:
             ratios[f"wcs_vs_{base}"], rates[f"wcs_vs_{base}"] = matched_ratio(rows, "wcs", base)
     return EngineBench(ratios=ratios, matched_rate=rates, rows=rows)
+
+
+def median_run(runs: list[EngineRun]) -> EngineRun:
+    """Per-field medians of repeated runs of one (policy, concurrency)."""
+    fields = {
+        name: float(np.median([getattr(r, name) for r in runs]))
+        for name, value in runs[0]
+        if isinstance(value, float)
+    }
+    counts = {name: int(np.median([getattr(r, name) for r in runs])) for name in ("finished", "output_tokens", "steps")}
+    return runs[0].model_copy(update={**fields, **counts, "reps": len(runs)})
 
 
 def format_rows(rows: list[EngineRun], header: bool = True) -> str:

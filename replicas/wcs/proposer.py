@@ -7,61 +7,87 @@ drafter's attention and MLP run on sum(1 + d_i) rows and its LM head on
 sum(d_i) rows; positions past d_i come back as -1. With a causal drafter the
 rows kept compute exactly what they compute in the full block.
 
-A step in which no request drafts still stores the drafter's context K/V
-for the tokens the target just accepted (later drafts attend to them) but
-skips the drafter's forward pass and LM head: that saving is what lets a
-step without drafts cost what a plain decoding step costs.
+Later drafts attend to the drafter's context K/V of every token the target
+computed. A step in which no request drafts does not run the drafter at all:
+it keeps the target's hidden states, positions and slots of its tokens
+(`defer_context`), and the next step that drafts stores them all in one
+batched pass before drafting (`flush_context`). A step without drafts then
+costs what a plain decoding step costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 
+# Deferred context tokens beyond which they are stored at once (bounds the memory they hold).
+MAX_DEFERRED_TOKENS = 8192
+
+
+@dataclasses.dataclass
+class _Deferred:
+    hidden: torch.Tensor  # (n, H') target hidden states as the drafter takes them (before combine)
+    positions: torch.Tensor  # (n,)
+    slots: torch.Tensor  # (n,) KV-cache slots
+
+
 class RaggedDFlashProposer(DFlashProposer):
-    """Installed over a live `DFlashProposer` by swapping `__class__`: it adds no `__init__` state."""
+    """Installed over a live `DFlashProposer` by swapping `__class__`: it adds no `__init__` state
+    (the deferred-context store is created on first use)."""
 
     widths: torch.Tensor | None = None  # (B,) draft widths for the next propose(); None = full block
     valid: torch.Tensor | None = None  # (B, K) bool: drafted positions of the last propose()
     confidence: torch.Tensor | None = None  # (B, K) max draft probability per drafted position, 0 elsewhere
     forward_rows: int = 0  # query rows the last propose() ran through the drafter (0: context K/V only)
 
-    def propose(self, **kwargs) -> torch.Tensor:
-        widths = self.widths
-        if widths is None or bool(widths.any()):
-            return super().propose(**kwargs)
-        return self._store_context_only(**kwargs)
+    @property
+    def _deferred(self) -> dict[str, list[_Deferred]]:
+        if "_wcs_deferred" not in self.__dict__:
+            self._wcs_deferred: dict[str, list[_Deferred]] = {}
+        return self._wcs_deferred
 
-    def _store_context_only(self, *, target_hidden_states, common_attn_metadata, **kwargs) -> torch.Tensor:
-        self.num_speculative_tokens = kwargs["num_speculative_tokens"]
-        self._last_draft_probs = None
-        hidden = self.model.combine_hidden_states(target_hidden_states)
-        # Only the context buffers are read below: the parent's layout, without the ragged compaction.
-        DFlashProposer.set_inputs_first_pass(
-            self,
-            target_token_ids=kwargs["target_token_ids"],
-            next_token_ids=kwargs["next_token_ids"],
-            target_positions=kwargs["target_positions"],
-            target_hidden_states=hidden,
-            token_indices_to_sample=kwargs["token_indices_to_sample"],
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=kwargs.get("num_rejected_tokens_gpu"),
-        )
-        self._store_context_kv(hidden)
-        batch, k = common_attn_metadata.batch_size(), self.num_speculative_tokens
-        self.confidence = torch.zeros(batch, k)
-        self.forward_rows = 0
-        return torch.full((batch, k), -1, dtype=torch.int64, device=hidden.device)
+    def defer_context(
+        self,
+        req_ids: list[str],
+        query_start_loc: np.ndarray,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Keep this step's context tokens (request i owns rows query_start_loc[i]:[i+1]) for a later flush."""
+        n = int(query_start_loc[-1])
+        hidden, positions, slots = hidden[:n].clone(), positions[:n].clone(), slots[:n].clone()
+        for i, r in enumerate(req_ids):
+            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            if b > a:
+                self._deferred.setdefault(r, []).append(_Deferred(hidden[a:b], positions[a:b], slots[a:b]))
+        self._deferred_tokens = getattr(self, "_deferred_tokens", 0) + n
+        if self._deferred_tokens > MAX_DEFERRED_TOKENS:
+            self.flush_context()
 
-    def _store_context_kv(self, hidden: torch.Tensor) -> None:
-        n = self._dflash_num_context
-        self.model.precompute_and_store_context_kv(
-            hidden, self._context_positions_buffer[:n], self._context_slot_mapping_buffer[:n]
-        )
+    def drop_context(self, req_ids) -> None:
+        """Finished or preempted requests: their slots may belong to other requests by now."""
+        for r in req_ids:
+            self._deferred.pop(r, None)
+
+    def flush_context(self) -> None:
+        """Store every deferred context token's K/V (a later write of a slot wins over an earlier one)."""
+        if not self._deferred:
+            return
+        parts = [p for chunks in self._deferred.values() for p in chunks]
+        self._deferred.clear()
+        self._deferred_tokens = 0
+        slots = torch.cat([p.slots for p in parts])
+        flat = slots.cpu().numpy()
+        _, last_from_end = np.unique(flat[::-1], return_index=True)
+        keep = torch.from_numpy(np.sort(len(flat) - 1 - last_from_end)).to(slots.device)
+        hidden = self.model.combine_hidden_states(torch.cat([p.hidden for p in parts])[keep])
+        self.model.precompute_and_store_context_kv(hidden, torch.cat([p.positions for p in parts])[keep], slots[keep])
 
     def set_inputs_first_pass(self, *args, **kwargs) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:
         n_full, sample_rows, cad = super().set_inputs_first_pass(*args, **kwargs)

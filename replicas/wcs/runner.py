@@ -9,8 +9,9 @@ class with `WCSRunnerMixin` first, and its DFlash drafter into
    the samplers edit the logits in place);
 2. `propose_draft_token_ids`: verdicts of the last drafts -> controller;
    pre-draft features at each request's newest token -> widths d_i (shared
-   from the first TP rank) -> ragged drafting (context K/V only when every
-   d_i is 0) -> verify lengths v_i; drafts past v_i become -1;
+   from the first TP rank) -> ragged drafting -> verify lengths v_i; drafts
+   past v_i become -1. When every d_i is 0 the drafter does not run: the
+   step's context tokens wait for the next step that drafts;
 3. `take_draft_token_ids`: the -1 tail is cut, so the scheduler schedules
    exactly 1 + v_i tokens for request i next step.
 """
@@ -73,7 +74,10 @@ class WCSRunnerMixin:
             planner_ms=0.0,
             planned=(),
         )
-        self.wcs.finish(scheduler_output.finished_req_ids)
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        self.wcs.finish(gone)
+        if isinstance(self.drafter, RaggedDFlashProposer):
+            self.drafter.drop_context(gone)
         out = super().execute_model(scheduler_output, *args, **kwargs)
         self._wcs_step.runner_ms += (time.perf_counter() - self._wcs_step.start) * 1e3
         return out
@@ -96,7 +100,7 @@ class WCSRunnerMixin:
         return out
 
     def _sample(self, logits, spec_decode_metadata):
-        self._wcs_dist = distribution_stats(logits) if logits is not None else None
+        self._wcs_dist = distribution_stats(logits) if logits is not None and self.wcs.needs_drafter() else None
         return super()._sample(logits, spec_decode_metadata)
 
     def propose_draft_token_ids(
@@ -134,9 +138,7 @@ class WCSRunnerMixin:
         if not ctl.needs_drafter():
             # No request ever drafts under this policy (`ar`): no features, no drafter, no context K/V.
             ctl.plan(req_ids, None, max_width)
-            self._wcs_record((time.perf_counter() - t0) * 1e3, 0.0, 0, req_ids)
-            self._wcs_fresh = True
-            return torch.empty(batch, 0, dtype=torch.int64, device=sample_hidden_states.device)
+            return self._wcs_no_drafts(req_ids, (time.perf_counter() - t0) * 1e3, 0.0, sample_hidden_states.device)
 
         # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
         offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])
@@ -145,9 +147,14 @@ class WCSRunnerMixin:
         draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
         planner_ms = (time.perf_counter() - t0) * 1e3
         drafter = self.drafter
+        if not draft.any():
+            t1 = time.perf_counter()
+            self._wcs_defer_context(scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata)
+            return self._wcs_no_drafts(req_ids, planner_ms, (time.perf_counter() - t1) * 1e3, sample_hidden_states.device)
+        t1 = time.perf_counter()
+        drafter.flush_context()
         drafter.widths = torch.from_numpy(draft)
         drafter.forward_rows = 0
-        t1 = time.perf_counter()
         try:
             out = super().propose_draft_token_ids(
                 scheduler_output,
@@ -175,6 +182,26 @@ class WCSRunnerMixin:
         self._wcs_record(planner_ms, draft_ms, int(draft.sum()), req_ids)
         self._wcs_fresh = True
         return out
+
+    def _wcs_no_drafts(self, req_ids: list[str], planner_ms: float, draft_ms: float, device) -> torch.Tensor:
+        self._wcs_record(planner_ms, draft_ms, 0, req_ids)
+        self._wcs_fresh = True
+        return torch.empty(len(req_ids), 0, dtype=torch.int64, device=device)
+
+    def _wcs_defer_context(self, scheduler_output, hidden_states, aux_hidden_states, cad) -> None:
+        """Hand this step's target hidden states, positions and slots to the drafter for a later flush."""
+        n = scheduler_output.total_num_scheduled_tokens
+        if self.use_aux_hidden_state_outputs:
+            hidden = torch.cat([h[:n] for h in aux_hidden_states], dim=-1)
+        else:
+            hidden = hidden_states[:n]
+        self.drafter.defer_context(
+            list(self.input_batch.req_ids),
+            cad.query_start_loc_cpu.numpy(),
+            hidden,
+            self._get_positions(n),
+            cad.slot_mapping[:n],
+        )
 
     def _wcs_max_width(self, states, generated: np.ndarray, emitted: np.ndarray, batch: int, k: int) -> np.ndarray:
         """Widest useful draft per request: 0 while prefilling, never past max_tokens or the context."""

@@ -33,6 +33,8 @@ class WCSWorker(_PlatformWorker):
         spec = self.vllm_config.speculative_config
         if spec is None:
             raise ValueError("WCS needs a speculative_config with a DFlash drafter")
+        if self.vllm_config.scheduler_config.async_scheduling:
+            raise ValueError("WCS needs async_scheduling=False: it hands the scheduler each step's drafts synchronously")
         k = spec.num_speculative_tokens
         cost = None
         if config.cost_model is not None and config.cost_model.exists():

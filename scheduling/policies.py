@@ -73,10 +73,17 @@ class Policy(BaseModel):
         limits: StepLimits,
         max_width: np.ndarray,
         oracle_accepted: np.ndarray | None = None,
+        validate: bool = True,
     ) -> DraftPlan:
         lo, hi = self.draft_bounds(max_width, oracle_accepted)
         return plan_step(
-            survival, cost, lo=lo, hi=hi, token_budget=limits.token_budget, time_cap_ms=limits.time_cap_ms
+            survival,
+            cost,
+            lo=lo,
+            hi=hi,
+            token_budget=limits.token_budget,
+            time_cap_ms=limits.time_cap_ms,
+            validate=validate,
         )
 
     def verify(

@@ -76,7 +76,7 @@ class StepController:
         self._plan: DraftPlan | None = None
         self._req_ids: list[str] = []
         self._inputs: PreDraftInputs | None = None
-        self._prior = np.zeros((0, k))
+        self._survival = np.zeros((0, k))  # pre-draft survival the plan was made on
         self._draft = np.zeros(0, dtype=np.int64)
 
     def set_policy(self, name: PolicyName | str) -> None:
@@ -117,18 +117,19 @@ class StepController:
         tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`).
         """
         self._plan = None
+        self._inputs = None
         self._req_ids = req_ids
         if not self.needs_drafter():
             draft = np.zeros(len(req_ids), dtype=np.int64)
         else:
             self._inputs = self.tracker.pre_draft(req_ids, features)
-            survival = self.estimator.predict(self._inputs)
-            self._prior = hazards_from_survival(survival)
+            survival = self._survival = self.estimator.predict(self._inputs)
             if self.profiling is not None:
                 # Some profiled steps draft nothing: the drafter's launch cost is then visible.
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
             else:
-                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width)
+                # Estimator curves are products of hazards: monotone by construction, no need to check.
+                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width, validate=False)
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
@@ -151,13 +152,15 @@ class StepController:
         stop is a stopping rule (DESIGN.md, Losslessness).
         """
         draft = self._draft
-        if self._inputs is not None and draft.any():
-            self.tracker.drafted(self._req_ids, self._inputs, self._prior, confidence, draft)
+        if self._inputs is None or not draft.any():
+            return np.zeros_like(draft)
+        prior = hazards_from_survival(self._survival)
+        self.tracker.drafted(self._req_ids, self._inputs, prior, confidence, draft)
         if self.profiling is not None:
             return self.profiling.integers(0, draft + 1)
-        if self._plan is None or not draft.any():
+        if self._plan is None:
             return np.zeros_like(draft)
-        post = self.calibrator.survival(confidence, self._prior, draft)
+        post = self.calibrator.survival(confidence, prior, draft)
         return self.policy.verify(post, self._plan, self.cost_model, self.limits)
 
     def finish(self, req_ids) -> None:

@@ -12,7 +12,9 @@ computed. A step in which no request drafts does not run the drafter at all:
 it keeps the target's hidden states, positions and slots of its tokens
 (`defer_context`), and the next step that drafts stores them all in one
 batched pass before drafting (`flush_context`). A step without drafts then
-costs what a plain decoding step costs.
+costs what a plain decoding step costs. A request that goes
+MAX_DEFERRED_STEPS steps without a drafting step gives up its drafter context
+(`context_lost`) and is not drafted for again.
 """
 
 from __future__ import annotations
@@ -25,15 +27,35 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 
-# Deferred context tokens beyond which they are stored at once (bounds the memory they hold).
-MAX_DEFERRED_TOKENS = 8192
+# A request that goes this many steps without drafting drops its deferred context and drafts no more:
+# storing it would cost what running the drafter every step costs, and holding it, memory.
+MAX_DEFERRED_STEPS = 128
 
 
 @dataclasses.dataclass
 class _Deferred:
+    """One draft-free step's context tokens."""
+
     hidden: torch.Tensor  # (n, H') target hidden states as the drafter takes them (before combine)
     positions: torch.Tensor  # (n,)
     slots: torch.Tensor  # (n,) KV-cache slots
+    owners: np.ndarray  # (n,) the run of the request each token belongs to (`_Deferral.owner`)
+
+
+@dataclasses.dataclass
+class _Deferral:
+    steps: list[_Deferred] = dataclasses.field(default_factory=list)
+    waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # draft-free steps since the last flush
+    lost: set[str] = dataclasses.field(default_factory=set)  # live requests without drafter context
+    owners: dict[str, int] = dataclasses.field(default_factory=dict)  # request -> number of its current run
+    dead: set[int] = dataclasses.field(default_factory=set)  # runs dropped since the last flush
+    next_owner: int = 0
+
+    def owner(self, req_id: str) -> int:
+        if req_id not in self.owners:
+            self.owners[req_id] = self.next_owner
+            self.next_owner += 1
+        return self.owners[req_id]
 
 
 class RaggedDFlashProposer(DFlashProposer):
@@ -46,10 +68,15 @@ class RaggedDFlashProposer(DFlashProposer):
     forward_rows: int = 0  # query rows the last propose() ran through the drafter (0: context K/V only)
 
     @property
-    def _deferred(self) -> dict[str, list[_Deferred]]:
-        if "_wcs_deferred" not in self.__dict__:
-            self._wcs_deferred: dict[str, list[_Deferred]] = {}
-        return self._wcs_deferred
+    def _deferral(self) -> "_Deferral":
+        if "_wcs_deferral" not in self.__dict__:
+            self._wcs_deferral = _Deferral()
+        return self._wcs_deferral
+
+    @property
+    def context_lost(self) -> set[str]:
+        """Live requests whose drafter context is incomplete: they must not draft."""
+        return self._deferral.lost
 
     def defer_context(
         self,
@@ -60,34 +87,50 @@ class RaggedDFlashProposer(DFlashProposer):
         slots: torch.Tensor,
     ) -> None:
         """Keep this step's context tokens (request i owns rows query_start_loc[i]:[i+1]) for a later flush."""
+        d = self._deferral
         n = int(query_start_loc[-1])
-        hidden, positions, slots = hidden[:n].clone(), positions[:n].clone(), slots[:n].clone()
-        for i, r in enumerate(req_ids):
-            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            if b > a:
-                self._deferred.setdefault(r, []).append(_Deferred(hidden[a:b], positions[a:b], slots[a:b]))
-        self._deferred_tokens = getattr(self, "_deferred_tokens", 0) + n
-        if self._deferred_tokens > MAX_DEFERRED_TOKENS:
-            self.flush_context()
+        owners = np.repeat(np.array([d.owner(r) for r in req_ids], dtype=np.int64), np.diff(query_start_loc[: len(req_ids) + 1]))
+        d.steps.append(_Deferred(hidden[:n].clone(), positions[:n].clone(), slots[:n].clone(), owners))
+        for r in req_ids:
+            d.waiting[r] = d.waiting.get(r, 0) + 1
+            if d.waiting[r] > MAX_DEFERRED_STEPS:
+                d.lost.add(r)
+        if len(d.steps) > MAX_DEFERRED_STEPS:
+            # Whoever still owns tokens in the oldest step loses them, and with them its context.
+            oldest = set(d.steps.pop(0).owners.tolist())
+            d.lost.update(r for r, owner in d.owners.items() if owner in oldest)
 
     def drop_context(self, req_ids) -> None:
-        """Finished or preempted requests: their slots may belong to other requests by now."""
+        """Finished or preempted requests: their deferred slots may belong to other requests by now
+        (a preempted request recomputes its whole context when it resumes)."""
+        d = self._deferral
         for r in req_ids:
-            self._deferred.pop(r, None)
+            owner = d.owners.pop(r, None)
+            if owner is not None:
+                d.dead.add(owner)
+            d.waiting.pop(r, None)
+            d.lost.discard(r)
 
     def flush_context(self) -> None:
-        """Store every deferred context token's K/V (a later write of a slot wins over an earlier one)."""
-        if not self._deferred:
+        """Store every deferred context token's K/V (a later write of a slot wins over an earlier one),
+        leaving out dropped requests and those without context."""
+        d = self._deferral
+        if not d.steps:
             return
-        parts = [p for chunks in self._deferred.values() for p in chunks]
-        self._deferred.clear()
-        self._deferred_tokens = 0
-        slots = torch.cat([p.slots for p in parts])
+        owners = np.concatenate([s.owners for s in d.steps])
+        slots = torch.cat([s.slots for s in d.steps])
         flat = slots.cpu().numpy()
         _, last_from_end = np.unique(flat[::-1], return_index=True)
-        keep = torch.from_numpy(np.sort(len(flat) - 1 - last_from_end)).to(slots.device)
-        hidden = self.model.combine_hidden_states(torch.cat([p.hidden for p in parts])[keep])
-        self.model.precompute_and_store_context_kv(hidden, torch.cat([p.positions for p in parts])[keep], slots[keep])
+        keep = np.sort(len(flat) - 1 - last_from_end)
+        excluded = d.dead | {d.owners[r] for r in d.lost if r in d.owners}
+        if excluded:
+            keep = keep[~np.isin(owners[keep], np.fromiter(excluded, dtype=np.int64))]
+        rows = torch.from_numpy(keep).to(slots.device)
+        hidden = self.model.combine_hidden_states(torch.cat([s.hidden for s in d.steps])[rows])
+        self.model.precompute_and_store_context_kv(hidden, torch.cat([s.positions for s in d.steps])[rows], slots[rows])
+        d.steps.clear()
+        d.waiting.clear()
+        d.dead.clear()
 
     def set_inputs_first_pass(self, *args, **kwargs) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:
         n_full, sample_rows, cad = super().set_inputs_first_pass(*args, **kwargs)

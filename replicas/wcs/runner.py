@@ -204,12 +204,16 @@ class WCSRunnerMixin:
         )
 
     def _wcs_max_width(self, states, generated: np.ndarray, emitted: np.ndarray, batch: int, k: int) -> np.ndarray:
-        """Widest useful draft per request: 0 while prefilling, never past max_tokens or the context."""
+        """Widest useful draft per request: 0 while prefilling or without drafter context, never past
+        max_tokens or the context."""
         max_tokens = np.array([s.sampling_params.max_tokens or 0 for s in states], dtype=np.int64)
         context = np.array([s.num_tokens for s in states], dtype=np.int64) + emitted
         room = np.minimum(max_tokens - generated, self.max_model_len - context) - 1
         width = np.clip(room, 0, k)
         width[self.discard_request_mask.np[:batch].astype(bool)] = 0
+        lost = self.drafter.context_lost
+        if lost:
+            width[[n for n, r in enumerate(self.input_batch.req_ids[:batch]) if r in lost]] = 0
         return width
 
     def _wcs_record(self, planner_ms: float, draft_ms: float, drafted: int, req_ids: list[str]) -> None:

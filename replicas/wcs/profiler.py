@@ -85,11 +85,54 @@ def profile(llm, max_num_seqs: int, seed: int = 0, progress: bool = True) -> Ste
     finally:
         steps = llm.collective_rpc("wcs_step_log", args=(False,))[0]
         llm.collective_rpc("wcs_profiling", args=(None,))
-    samples = decode_samples(steps)
+    cost = _fit(decode_samples(steps))
+    llm.collective_rpc("wcs_set_cost_model", args=(cost.model_dump_json(),))
+    return cost
+
+
+async def profile_async(engine, max_num_seqs: int, seed: int = 0) -> StepCostModel:
+    """`profile` for a running `AsyncLLM` (what a serving replica hosts)."""
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from replicas.models.workloads import mixed_workload
+
+    sizes = batch_sizes(max_num_seqs)
+    prompts = [p.prompt for p in mixed_workload(sizes[-1], seed=seed)]
+    params = SamplingParams(temperature=0.0, max_tokens=PROFILE_TOKENS, ignore_eos=True)
+
+    async def run(n: int, rid: str) -> None:
+        async for _ in engine.generate(prompts[n], params, request_id=rid):
+            pass
+
+    await engine.collective_rpc("wcs_profiling", args=(seed,))
+    await engine.collective_rpc("wcs_step_log", args=(True,))
+    try:
+        for size in sizes:
+            await asyncio.gather(*(run(n, f"profile-{size}-{n}") for n in range(size)))
+    finally:
+        steps = (await engine.collective_rpc("wcs_step_log", args=(False,)))[0]
+        await engine.collective_rpc("wcs_profiling", args=(None,))
+    cost = _fit(decode_samples(steps))
+    await engine.collective_rpc("wcs_set_cost_model", args=(cost.model_dump_json(),))
+    return cost
+
+
+def _fit(samples: np.ndarray) -> StepCostModel:
     if len(samples) < 8:
         raise RuntimeError(f"profiling logged only {len(samples)} decode steps")
-    cost = StepCostModel.fit(*samples.T)
-    llm.collective_rpc("wcs_set_cost_model", args=(cost.model_dump_json(),))
+    return StepCostModel.fit(*samples.T)
+
+
+async def ensure_profiled_async(engine, config) -> StepCostModel:
+    """`ensure_profiled` for a running `AsyncLLM`."""
+    stored = (await engine.collective_rpc("wcs_cost_model"))[0]
+    if stored is not None:
+        return StepCostModel.model_validate_json(stored)
+    cost = await profile_async(engine, config.max_num_seqs, seed=config.seed)
+    config.wcs.cost_model.parent.mkdir(parents=True, exist_ok=True)
+    cost.save(config.wcs.cost_model)
     return cost
 
 

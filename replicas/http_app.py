@@ -1,0 +1,86 @@
+"""The replica's HTTP surface: OpenAI routes, /health, optional API key (FastAPI, served by uvicorn or Ray Serve).
+
+Bad input never reaches the engine as an exception: malformed JSON and
+invalid requests get 400 with an OpenAI-style error body, an unknown model
+404, and the server keeps serving. A streaming client that disconnects
+cancels its generator, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from replicas.engine import EngineConfig
+from replicas.openai_api import OpenAIEngine, Reply, error_reply
+
+
+def respond(reply: Reply) -> Response:
+    if reply.stream is not None:
+        return StreamingResponse(reply.stream, media_type="text/event-stream")
+    return JSONResponse(reply.body, status_code=reply.status)
+
+
+async def _json_body(request: Request) -> dict | Reply:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        return error_reply(400, f"malformed JSON body: {e}")
+
+
+def build_http_app(
+    start_engine: Callable[[], Awaitable[OpenAIEngine]], api_key: str | None = None
+) -> FastAPI:
+    """An app whose lifespan starts the engine with `start_engine` and shuts it down."""
+    state: dict[str, OpenAIEngine] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state["engine"] = await start_engine()
+        try:
+            yield
+        finally:
+            state.pop("engine").shutdown()
+
+    app = FastAPI(title="ForeSpark serving", lifespan=lifespan)
+    if api_key:
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
+
+    async def serve(request: Request, call: Callable[[OpenAIEngine, dict, Request], Awaitable[Reply]]) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Reply):
+            return respond(body)
+        return respond(await call(state["engine"], body, request))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, lambda e, b, r: e.completions(b, r))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, lambda e, b, r: e.chat_completions(b, r))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return respond(await state["engine"].list_models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await state["engine"].check_health()
+        except Exception as e:  # the engine is dead: tell the load balancer
+            return respond(error_reply(503, f"engine unhealthy: {e}", "ServiceUnavailableError"))
+        return Response(status_code=200)
+
+    return app
+
+
+def engine_app(config: EngineConfig | None = None, api_key: str | None = None, served_model_name: str = "forespark") -> FastAPI:
+    """The app for one embedded-default (or given) engine."""
+    return build_http_app(lambda: OpenAIEngine.start(config or EngineConfig(), served_model_name), api_key)

@@ -1,0 +1,129 @@
+"""OpenAI endpoints over one WCS engine (`AsyncLLM`), with vLLM's own OpenAI serving layer.
+
+vLLM's request/response models, validation, sampling defaults and error
+mapping are reused as they are (`OpenAIServingCompletion`, `OpenAIServingChat`,
+`OpenAIServingModels`); this module only owns the engine's life and turns
+every outcome into an HTTP reply: a JSON body with its status, or a stream of
+SSE lines ending in `data: [DONE]`. Errors are OpenAI-style
+`{"error": {"message", "type", "param", "code"}}` bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from replicas.engine import EngineConfig, cpu_engine_environment
+
+# The embedded models are plain language models without a chat format: messages are joined.
+PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+
+@dataclass
+class Reply:
+    status: int
+    body: dict | None = None  # JSON reply
+    stream: AsyncIterator[str] | None = None  # SSE lines ("data: ...\n\n"), ending in "data: [DONE]\n\n"
+
+
+def error_reply(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Reply:
+    return Reply(status, {"error": {"message": message, "type": err_type, "param": param, "code": status}})
+
+
+class OpenAIEngine:
+    """One `AsyncLLM` with WCS and vLLM's completion, chat and model-list handlers over it."""
+
+    def __init__(self, engine, config: EngineConfig, served_model_name: str) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        self.engine = engine
+        self.config = config
+        self.served_model_name = served_model_name
+        self.models = OpenAIServingModels(
+            engine_client=engine, base_model_paths=[BaseModelPath(name=served_model_name, model_path=str(config.model))]
+        )
+        renderer = OnlineRenderer(
+            engine.model_config,
+            engine.renderer,
+            request_logger=None,
+            chat_template=PLAIN_CHAT_TEMPLATE,
+            chat_template_content_format="auto",
+        )
+        self.completion = OpenAIServingCompletion(engine, self.models, online_renderer=renderer, request_logger=None)
+        self.chat = OpenAIServingChat(
+            engine,
+            self.models,
+            "assistant",
+            online_renderer=renderer,
+            request_logger=None,
+            chat_template=PLAIN_CHAT_TEMPLATE,
+            chat_template_content_format="auto",
+        )
+
+    @classmethod
+    async def start(cls, config: EngineConfig, served_model_name: str = "forespark") -> "OpenAIEngine":
+        """Start the engine (its core in its own process) and, with WCS, load or profile its step cost."""
+        cpu_engine_environment()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if config.wcs is not None and config.drafter is not None:
+            from replicas.wcs.profiler import with_cost_model
+
+            config = with_cost_model(config)
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**config.vllm_kwargs(), served_model_name=[served_model_name]),
+            usage_context=UsageContext.OPENAI_API_SERVER,
+        )
+        if config.wcs is not None and config.drafter is not None:
+            from replicas.wcs.profiler import ensure_profiled_async
+
+            await ensure_profiled_async(engine, config)
+        return cls(engine, config, served_model_name)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def list_models(self) -> Reply:
+        return Reply(200, (await self.models.show_available_models()).model_dump())
+
+    async def completions(self, body: dict, raw_request=None) -> Reply:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return await self._serve(CompletionRequest, self.completion.create_completion, self.completion, body, raw_request)
+
+    async def chat_completions(self, body: dict, raw_request=None) -> Reply:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return await self._serve(ChatCompletionRequest, self.chat.create_chat_completion, self.chat, body, raw_request)
+
+    async def _serve(self, request_type, handler, serving, body: dict, raw_request) -> Reply:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if not isinstance(body, dict):
+            return error_reply(400, "the request body must be a JSON object")
+        try:
+            request = request_type.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(x) for x in first.get("loc", ())) or None
+            return error_reply(400, f"invalid request: {first.get('msg', e)}", param=param)
+        try:
+            out = await handler(request, raw_request)
+        except Exception as e:  # vLLM raises for engine errors and admission limits; it maps them itself
+            out = serving.create_error_response(e)
+        if isinstance(out, ErrorResponse):
+            return Reply(out.error.code, out.model_dump())
+        if hasattr(out, "model_dump"):
+            return Reply(200, out.model_dump())
+        return Reply(200, stream=out)

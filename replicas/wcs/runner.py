@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -49,6 +50,20 @@ class StepSample:
     draft_ms: float
     planner_ms: float
     planned: tuple[str, ...]  # requests planned this step
+
+
+class _ProposeArgs(NamedTuple):
+    """The arguments of vLLM 0.32's `GPUModelRunner.propose_draft_token_ids`, in order."""
+
+    scheduler_output: Any
+    sampled_token_ids: Any
+    sampling_metadata: Any
+    hidden_states: Any
+    sample_hidden_states: Any
+    aux_hidden_states: Any
+    spec_decode_metadata: Any
+    common_attn_metadata: Any
+    slot_mappings: Any
 
 
 class WCSRunnerMixin:
@@ -103,18 +118,10 @@ class WCSRunnerMixin:
         self._wcs_dist = distribution_stats(logits) if logits is not None and self.wcs.needs_drafter() else None
         return super()._sample(logits, spec_decode_metadata)
 
-    def propose_draft_token_ids(
-        self,
-        scheduler_output,
-        sampled_token_ids,
-        sampling_metadata,
-        hidden_states,
-        sample_hidden_states,
-        aux_hidden_states,
-        spec_decode_metadata,
-        common_attn_metadata,
-        slot_mappings,
-    ):
+    def propose_draft_token_ids(self, *args):
+        a = _ProposeArgs(*args)
+        scheduler_output, sampled_token_ids, spec_decode_metadata = a.scheduler_output, a.sampled_token_ids, a.spec_decode_metadata
+        sample_hidden_states = a.sample_hidden_states
         t0 = time.perf_counter()
         ctl = self.wcs
         req_ids = list(self.input_batch.req_ids)
@@ -149,24 +156,14 @@ class WCSRunnerMixin:
         drafter = self.drafter
         if not draft.any():
             t1 = time.perf_counter()
-            self._wcs_defer_context(scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata)
+            self._wcs_defer_context(scheduler_output, a.hidden_states, a.aux_hidden_states, a.common_attn_metadata)
             return self._wcs_no_drafts(req_ids, planner_ms, (time.perf_counter() - t1) * 1e3, sample_hidden_states.device)
         t1 = time.perf_counter()
         drafter.flush_context()
         drafter.widths = torch.from_numpy(draft)
         drafter.forward_rows = 0
         try:
-            out = super().propose_draft_token_ids(
-                scheduler_output,
-                sampled_token_ids,
-                sampling_metadata,
-                hidden_states,
-                sample_hidden_states,
-                aux_hidden_states,
-                spec_decode_metadata,
-                common_attn_metadata,
-                slot_mappings,
-            )
+            out = super().propose_draft_token_ids(*args)
         finally:
             drafter.widths = None
         draft_ms = (time.perf_counter() - t1) * 1e3

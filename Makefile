@@ -27,8 +27,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 serve: $(STAMP)
-	@# Serving on Ray Serve is not built yet: this runs the offline planner demo, which says so.
-	$(BIN)/forespark demo
+	$(BIN)/forespark serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

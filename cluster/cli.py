@@ -1,6 +1,7 @@
 """The `forespark` command line.
 
-    forespark demo                       offline planner demo (no server; what `make serve` runs for now)
+    forespark serve [--port 8000]        serve the OpenAI API on Ray Serve (what `make serve` runs)
+    forespark demo                       offline planner demo (no server)
     forespark bench planner [--json P]   decision time of the WCS planner per engine step
     forespark bench engine [--json P]    every policy on one WCS vLLM engine, matched-rate throughput ratios
     forespark models build [--check]     train the embedded target + drafter from the standard library
@@ -53,6 +54,61 @@ def cmd_bench_planner(args: argparse.Namespace) -> int:
         result = benchmark.run(args.batches, args.ks, reps=args.reps, rounds=rounds, progress=lambda _c: bar.update())
     print(benchmark.format_table(result))
     _write_json(args.json, result.model_dump())
+    return 0
+
+
+def _default_replicas() -> int:
+    import os
+
+    return max(2, (os.cpu_count() or 2) // 2)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import threading
+
+    import yaml
+
+    from replicas.deployment import ReplicaConfig, build_deployment
+    from replicas.engine import cpu_engine_environment
+
+    cpu_engine_environment()
+    raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    overrides = {"api_key": args.api_key, "num_replicas": args.replicas}
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        config = ReplicaConfig.model_validate(raw)
+    except ValueError as e:
+        print(f"forespark serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    if "num_replicas" not in raw:
+        config = config.model_copy(update={"num_replicas": _default_replicas()})
+    if "num_cpus" not in raw:
+        config = config.model_copy(update={"num_cpus": max(1.0, (os.cpu_count() or 2) / config.num_replicas)})
+
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    own_ray = args.address is None
+    ray.init(address=args.address, include_dashboard=False, configure_logging=False)
+    # After ray.init: Ray's own failure handler would otherwise take SIGTERM and abort the process.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        print(f"starting {config.num_replicas} replica(s); the first start profiles each engine's step cost", flush=True)
+        serve.run(build_deployment(config), name="forespark", route_prefix="/")
+        print(f"serving the OpenAI API at http://{args.host}:{args.port}/v1 (model {config.served_model_name!r}); Ctrl-C stops", flush=True)
+        stop.wait()
+        print("stopping", flush=True)
+    finally:
+        if own_ray:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete("forespark")  # stop only what this command started
     return 0
 
 
@@ -150,6 +206,15 @@ def cmd_models_workloads(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forespark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve (local Ray unless --address)")
+    srv.add_argument("--config", metavar="PATH", help="YAML/JSON replica config (replicas/deployment.py: ReplicaConfig)")
+    srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--replicas", type=int, default=None, help="engine replicas (default: max(2, CPUs / 2))")
+    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    srv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="offline planner demo on synthetic acceptances (no server)")
     demo.add_argument("--batches", type=_int_list, default=(8, 64, 512), help="comma-separated batch sizes")

@@ -8,6 +8,8 @@ router spreads requests.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.engine import EngineConfig
@@ -22,11 +24,15 @@ class ReplicaConfig(BaseModel):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0, description="CPUs reserved per replica actor")
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests in flight per replica")
+    max_queued_requests: int = Field(default=256, ge=1, description="requests waiting at each caller beyond those")
+    overload_status: Literal[429, 503] = Field(default=429, description="status of requests turned away beyond both")
+    retry_after_s: int = Field(default=1, ge=1, description="their Retry-After header")
 
 
 def build_deployment(config: ReplicaConfig):
     """A bound Serve application serving `config` on `num_replicas` replicas."""
     from ray import serve
+    from ray.serve.config import BackpressureConfig
 
     from replicas.http_app import engine_app
 
@@ -36,6 +42,8 @@ def build_deployment(config: ReplicaConfig):
         name="EngineReplica",
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=config.overload_status, retry_after_s=config.retry_after_s),
         ray_actor_options={"num_cpus": config.num_cpus},
         health_check_period_s=10,
         health_check_timeout_s=60,

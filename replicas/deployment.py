@@ -1,18 +1,33 @@
-"""The Ray Serve deployment of one replica: a WCS engine behind its OpenAI HTTP app (`replicas/http_app.py`).
+"""One engine replica as a Ray Serve deployment class: a WCS engine answering handle calls.
 
-Serve runs the app's lifespan in each replica, which starts the engine there
-(its core in a child process of the replica actor). The router and the
-routing stats come with the cluster layer; until then Serve's default
-router spreads requests.
+The HTTP ingress (`cluster/ingress.py`) parses each request and calls
+`EngineReplica.call` through a deployment handle, so the cluster router sees
+the request body. A call streams its answer back: first `(status, body)`
+(`body` is None when SSE lines follow), then lists of SSE lines, batched for
+`stream_batch_ms` so a fast stream does not cost one Ray message per token.
+Cancelling the call (the client went away) cancels the generator here, which
+aborts the request in the engine.
+
+Every `stats_period_s` the replica refreshes what it tells the router
+(`record_routing_stats`) and posts its Prometheus text to the metrics board.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.engine import EngineConfig
+from replicas.engine import EngineConfig, cpu_engine_environment
+from replicas.metrics import LatestSchedulerStats, metrics_board, replica_metrics_text
+from replicas.routing_stats import RoutingStats, StepMix, routing_stats, step_mix
+
+logger = logging.getLogger("ray.serve")
+
+ROUTES = ("completions", "chat_completions", "list_models")
 
 
 class ReplicaConfig(BaseModel):
@@ -20,36 +35,148 @@ class ReplicaConfig(BaseModel):
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str = "forespark"
-    api_key: str | None = Field(default=None, description="when set, /v1/* needs Authorization: Bearer <key>")
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0, description="CPUs reserved per replica actor")
+    accelerator: Literal["cpu", "gpu"] = Field(
+        default="cpu", description="gpu: one GPU per tensor-parallel rank, placed as one placement-group bundle each"
+    )
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests in flight per replica")
     max_queued_requests: int = Field(default=256, ge=1, description="requests waiting at each caller beyond those")
-    overload_status: Literal[429, 503] = Field(default=429, description="status of requests turned away beyond both")
-    retry_after_s: int = Field(default=1, ge=1, description="their Retry-After header")
-
-
-def build_deployment(config: ReplicaConfig):
-    """A bound Serve application serving `config` on `num_replicas` replicas."""
-    from ray import serve
-    from ray.serve.config import BackpressureConfig
-
-    from replicas.http_app import engine_app
-
-    app = engine_app(config.engine, config.api_key, config.served_model_name)
-
-    @serve.deployment(
-        name="EngineReplica",
-        num_replicas=config.num_replicas,
-        max_ongoing_requests=config.max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests,
-        backpressure_config=BackpressureConfig(status_code=config.overload_status, retry_after_s=config.retry_after_s),
-        ray_actor_options={"num_cpus": config.num_cpus},
-        health_check_period_s=10,
-        health_check_timeout_s=60,
+    tpot_slo_ms: float = Field(
+        default=100.0, gt=0, description="TPOT SLO: caps WCS's predicted step time and defines routing headroom"
     )
-    @serve.ingress(app)
-    class EngineReplica:
-        pass
+    stats_period_s: float = Field(default=1.0, gt=0, description="routing stats and metrics refresh period")
+    stream_batch_ms: float = Field(default=10.0, ge=0, description="SSE lines are sent to the ingress in batches this old")
 
-    return EngineReplica.bind()
+    def replica_engine(self) -> EngineConfig:
+        """The engine config as a replica runs it: the TPOT SLO as WCS's step-time cap (unless the
+        engine sets its own), and tensor parallelism over GPUs through Ray (the replica's placement group)."""
+        engine = self.engine
+        if engine.wcs is not None and engine.wcs.tpot_slo_ms is None:
+            engine = engine.model_copy(update={"wcs": engine.wcs.model_copy(update={"tpot_slo_ms": self.tpot_slo_ms})})
+        if self.accelerator == "gpu" and engine.tensor_parallel_size > 1 and engine.distributed_executor_backend is None:
+            engine = engine.model_copy(update={"distributed_executor_backend": "ray"})
+        return engine
+
+
+async def batched(lines: AsyncIterator[str], window_s: float) -> AsyncIterator[list[str]]:
+    """Lines from `lines` in lists: each list holds what arrived within `window_s` of its first line.
+
+    The source is drained by its own task; closing this generator cancels that task (and so the request).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for line in lines:
+                queue.put_nowait(line)
+        except Exception as e:  # delivered to the consumer below
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            first = await queue.get()
+            if window_s > 0 and first is not done and not isinstance(first, Exception):
+                await asyncio.sleep(window_s)
+            batch = [first]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            out = [x for x in batch if isinstance(x, str)]
+            if out:
+                yield out
+            for x in batch:
+                if isinstance(x, Exception):
+                    raise x
+            if done in batch:
+                return
+    finally:
+        task.cancel()
+
+
+class EngineReplica:
+    """A Serve deployment class (`cluster/app.py` deploys it): one WCS engine per replica."""
+
+    async def __init__(self, config: ReplicaConfig) -> None:
+        from replicas.openai_api import OpenAIEngine
+
+        cpu_engine_environment()
+        self.config = config
+        self.scheduler = LatestSchedulerStats()
+        self.engine = await OpenAIEngine.start(
+            config.replica_engine(), config.served_model_name, stat_loggers=[self.scheduler.factory()]
+        )
+        self._stats: RoutingStats | None = None
+        self.aborted = 0
+        self._mix = StepMix()
+        self._wcs: dict | None = None
+        await self._refresh()
+        self._loop = asyncio.create_task(self._refresh_forever())
+
+    async def call(self, route: str, body: dict | None = None) -> AsyncIterator:
+        if route not in ROUTES:
+            raise ValueError(f"unknown route {route!r}")
+        fn = getattr(self.engine, route)
+        reply = await (fn() if route == "list_models" else fn(body))
+        yield (reply.status, reply.body)
+        if reply.stream is None:
+            return
+        finished = False
+        try:
+            async for lines in batched(reply.stream, self.config.stream_batch_ms / 1000.0):
+                yield lines
+            finished = True
+        finally:
+            if not finished:  # the caller went away: closing the stream aborted the engine request
+                self.aborted += 1
+
+    async def check_health(self) -> None:
+        """Serve's health check: raising marks the replica unhealthy, and Serve replaces it."""
+        await self.engine.check_health()
+
+    def record_routing_stats(self) -> dict:
+        return {} if self._stats is None else self._stats.model_dump()
+
+    async def _refresh(self) -> None:
+        engine = self.engine
+        before, accept_len = self._wcs, 1.0
+        if engine.has_wcs:
+            self._wcs = (await engine.engine.collective_rpc("wcs_stats"))[0]
+            accept_len = (await engine.engine.collective_rpc("wcs_batch_acceptance"))[0]
+            # An idle period says nothing about the mix: keep the last one measured.
+            self._mix = step_mix(self._wcs, before) or self._mix
+        self._stats = routing_stats(
+            cost=engine.cost,
+            # The engine's own count is current; the scheduler's is as of the last step (stale when idle).
+            running=max(0, engine.engine.get_num_unfinished_requests() - self.scheduler.waiting),
+            waiting=self.scheduler.waiting if engine.engine.get_num_unfinished_requests() else 0,
+            kv_usage=self.scheduler.kv_usage,
+            max_num_seqs=engine.config.max_num_seqs,
+            token_budget=engine.engine.vllm_config.scheduler_config.max_num_batched_tokens,
+            cap_ms=self.config.tpot_slo_ms,
+            mix=self._mix,
+            predicted_accept_len=accept_len,
+        )
+
+    async def _refresh_forever(self) -> None:
+        from ray import serve
+
+        replica = serve.get_replica_context().replica_id.unique_id
+        board = None
+        while True:
+            await asyncio.sleep(self.config.stats_period_s)
+            try:
+                await self._refresh()
+                board = board or metrics_board()
+                board.post.remote(replica, replica_metrics_text(self._wcs, self._stats, self.aborted))
+            except Exception:  # an engine that died is reported by check_health; keep the loop alive
+                logger.exception("refreshing routing stats failed")
+                board = None
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -39,6 +39,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = Field(default=None, description="None: vLLM's choice; ray: TP workers in the replica's placement group")
     wcs: WCSConfig | None = Field(default_factory=WCSConfig, description="None: vLLM's own speculation, no WCS")
 
     def vllm_kwargs(self) -> dict[str, Any]:
@@ -53,6 +54,8 @@ class EngineConfig(BaseModel):
             "tensor_parallel_size": self.tensor_parallel_size,
             "disable_log_stats": False,
         }
+        if self.distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = self.distributed_executor_backend
         if self.drafter is not None:
             kwargs["speculative_config"] = {
                 "method": self.drafter.method,

@@ -1,4 +1,7 @@
-"""The replica's HTTP surface: OpenAI routes, /health, optional API key (FastAPI, served by uvicorn or Ray Serve).
+"""The OpenAI HTTP surface: OpenAI routes, /health, /metrics, optional API key (FastAPI).
+
+It serves from a `Backend`: one local engine (uvicorn, tests) or the cluster
+through Serve deployment handles (`cluster/ingress.py`).
 
 Bad input never reaches the engine as an exception: malformed JSON and
 invalid requests get 400 with an OpenAI-style error body, an unknown model
@@ -13,16 +16,18 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from replicas.engine import EngineConfig
-from replicas.openai_api import OpenAIEngine, Reply, error_reply
+from replicas.openai_api import Backend, OpenAIEngine, Reply, error_reply
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def respond(reply: Reply) -> Response:
     if reply.stream is not None:
-        return StreamingResponse(reply.stream, media_type="text/event-stream")
-    return JSONResponse(reply.body, status_code=reply.status)
+        return StreamingResponse(reply.stream, media_type="text/event-stream", headers=reply.headers)
+    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
 
 
 async def _json_body(request: Request) -> dict | Reply:
@@ -32,15 +37,13 @@ async def _json_body(request: Request) -> dict | Reply:
         return error_reply(400, f"malformed JSON body: {e}")
 
 
-def build_http_app(
-    start_engine: Callable[[], Awaitable[OpenAIEngine]], api_key: str | None = None
-) -> FastAPI:
-    """An app whose lifespan starts the engine with `start_engine` and shuts it down."""
-    state: dict[str, OpenAIEngine] = {}
+def build_http_app(start_backend: Callable[[], Awaitable[Backend]], api_key: str | None = None) -> FastAPI:
+    """An app whose lifespan starts its backend with `start_backend` and shuts it down."""
+    state: dict[str, Backend] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["engine"] = await start_engine()
+        state["engine"] = await start_backend()
         try:
             yield
         finally:
@@ -52,7 +55,7 @@ def build_http_app(
 
         app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
 
-    async def serve(request: Request, call: Callable[[OpenAIEngine, dict, Request], Awaitable[Reply]]) -> Response:
+    async def serve(request: Request, call: Callable[[Backend, dict, Request], Awaitable[Reply]]) -> Response:
         body = await _json_body(request)
         if isinstance(body, Reply):
             return respond(body)
@@ -77,6 +80,10 @@ def build_http_app(
         except Exception as e:  # the engine is dead: tell the load balancer
             return respond(error_reply(503, f"engine unhealthy: {e}", "ServiceUnavailableError"))
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(await state["engine"].metrics(), media_type=PROMETHEUS_TEXT)
 
     return app
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -26,16 +27,43 @@ class Reply:
     status: int
     body: dict | None = None  # JSON reply
     stream: AsyncIterator[str] | None = None  # SSE lines ("data: ...\n\n"), ending in "data: [DONE]\n\n"
+    headers: dict[str, str] | None = None
 
 
-def error_reply(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Reply:
-    return Reply(status, {"error": {"message": message, "type": err_type, "param": param, "code": status}})
+class Backend(Protocol):
+    """What the HTTP app serves from: one local engine (`OpenAIEngine`) or the cluster (`cluster/ingress.py`)."""
+
+    async def completions(self, body: dict, raw_request=None) -> Reply: ...
+
+    async def chat_completions(self, body: dict, raw_request=None) -> Reply: ...
+
+    async def wcs_stats(self) -> dict | None:
+        return (await self.engine.collective_rpc("wcs_stats"))[0] if self.has_wcs else None
+
+    async def metrics(self) -> str:
+        from replicas.metrics import replica_metrics_text
+
+        return replica_metrics_text(await self.wcs_stats(), None)
+
+    async def list_models(self) -> Reply: ...
+
+    async def check_health(self) -> None: ...
+
+    async def metrics(self) -> str: ...
+
+    def shutdown(self) -> None: ...
+
+
+def error_reply(
+    status: int, message: str, err_type: str = "BadRequestError", param: str | None = None, headers: dict | None = None
+) -> Reply:
+    return Reply(status, {"error": {"message": message, "type": err_type, "param": param, "code": status}}, headers=headers)
 
 
 class OpenAIEngine:
     """One `AsyncLLM` with WCS and vLLM's completion, chat and model-list handlers over it."""
 
-    def __init__(self, engine, config: EngineConfig, served_model_name: str) -> None:
+    def __init__(self, engine, config: EngineConfig, served_model_name: str, cost=None) -> None:
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
@@ -44,6 +72,7 @@ class OpenAIEngine:
 
         self.engine = engine
         self.config = config
+        self.cost = cost  # the profiled StepCostModel (engines with WCS)
         self.served_model_name = served_model_name
         self.models = OpenAIServingModels(
             engine_client=engine, base_model_paths=[BaseModelPath(name=served_model_name, model_path=str(config.model))]
@@ -67,8 +96,10 @@ class OpenAIEngine:
         )
 
     @classmethod
-    async def start(cls, config: EngineConfig, served_model_name: str = "forespark") -> "OpenAIEngine":
-        """Start the engine (its core in its own process) and, with WCS, load or profile its step cost."""
+    async def start(cls, config: EngineConfig, served_model_name: str = "forespark", stat_loggers=None) -> "OpenAIEngine":
+        """Start the engine (its core in its own process) and, with WCS, load or profile its step cost.
+
+        `stat_loggers`: vLLM stat-logger factories, next to vLLM's own (Prometheus) logger."""
         cpu_engine_environment()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -81,18 +112,32 @@ class OpenAIEngine:
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**config.vllm_kwargs(), served_model_name=[served_model_name]),
             usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=stat_loggers,
         )
+        cost = None
         if config.wcs is not None and config.drafter is not None:
             from replicas.wcs.profiler import ensure_profiled_async
 
-            await ensure_profiled_async(engine, config)
-        return cls(engine, config, served_model_name)
+            cost = await ensure_profiled_async(engine, config)
+        return cls(engine, config, served_model_name, cost)
+
+    @property
+    def has_wcs(self) -> bool:
+        return self.cost is not None
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def wcs_stats(self) -> dict | None:
+        return (await self.engine.collective_rpc("wcs_stats"))[0] if self.has_wcs else None
+
+    async def metrics(self) -> str:
+        from replicas.metrics import replica_metrics_text
+
+        return replica_metrics_text(await self.wcs_stats(), None)
 
     async def list_models(self) -> Reply:
         return Reply(200, (await self.models.show_available_models()).model_dump())

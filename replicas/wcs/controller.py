@@ -163,5 +163,12 @@ class StepController:
         post = self.calibrator.survival(confidence, prior, draft)
         return self.policy.verify(post, self._plan, self.cost_model, self.limits)
 
+    def predicted_accept_len(self) -> float:
+        """Mean predicted accepted length (1 + expected accepted drafts at full width) over the last
+        planned batch; 1 when nothing was predicted (no drafter, or an idle engine)."""
+        if not len(self._survival):
+            return 1.0
+        return float(1.0 + self._survival.sum(axis=1).mean())
+
     def finish(self, req_ids) -> None:
         self.tracker.forget(req_ids)

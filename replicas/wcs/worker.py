@@ -57,6 +57,9 @@ class WCSWorker(_PlatformWorker):
     def wcs_stats(self) -> dict:
         return self._wcs.stats.model_dump()
 
+    def wcs_batch_acceptance(self) -> float:
+        return self._wcs.predicted_accept_len()
+
     def wcs_live_requests(self) -> list[str]:
         """Requests the controller still holds state for (acceptance history, pending draft features)."""
         return self._wcs.tracker.live()

@@ -1,0 +1,149 @@
+"""Prometheus metrics of a replica: vLLM's own, plus WCS's, merged across replicas for one `/metrics`.
+
+Each replica renders its process's registry (vLLM's `PrometheusStatLogger`
+registers there) and the WCS families below, and posts the text to the
+`MetricsBoard` actor every stats period. The HTTP ingress serves the board's
+texts merged, each series labelled with its `replica`, next to its own
+process's series (the router's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from replicas.routing_stats import RoutingStats
+
+BOARD_NAME = "forespark-metrics-board"
+BOARD_NAMESPACE = "forespark"
+
+
+class LatestSchedulerStats:
+    """A vLLM per-engine stat logger that keeps the last scheduler stats (waiting requests, KV use)."""
+
+    def __init__(self, vllm_config=None, engine_index: int = 0) -> None:
+        self.waiting = 0
+        self.kv_usage = 0.0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_usage = scheduler_stats.kv_cache_usage
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+    def factory(self):
+        """What `AsyncLLM(stat_loggers=[...])` takes: it builds per-engine loggers from (config, index)."""
+        return lambda vllm_config, engine_index=0: self
+
+
+def replica_families(wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None) -> list[Metric]:
+    """WCS counters (`replicas/wcs/stats.py`), the routing stats and the replica's aborts as Prometheus families."""
+    out: list[Metric] = []
+    if aborted is not None:
+        # vLLM's request_success{finished_reason="abort"} does not count requests aborted by the caller.
+        out.append(CounterMetricFamily("forespark_engine_aborted_requests", "streams aborted in the engine because the caller went away", value=aborted))
+    if wcs is not None:
+        for name, doc in (
+            ("drafted", "requests that drafted position j"),
+            ("verified", "requests whose draft position j was verified"),
+            ("accepted", "requests whose first j drafts were accepted"),
+        ):
+            fam = CounterMetricFamily(f"forespark_wcs_{name}_tokens", f"WCS: {doc}", labels=["position"])
+            for j, v in enumerate(wcs[f"{name}_per_pos"]):
+                fam.add_metric([str(j + 1)], v)
+            out.append(fam)
+        drafted, verified = sum(wcs["drafted_per_pos"]), sum(wcs["verified_per_pos"])
+        accepted = sum(wcs["accepted_per_pos"])
+        out.append(GaugeMetricFamily("forespark_wcs_draft_waste", "drafted tokens never verified / drafted", value=(drafted - verified) / drafted if drafted else 0.0))
+        out.append(GaugeMetricFamily("forespark_wcs_acceptance_rate", "accepted / verified draft tokens", value=accepted / verified if verified else 0.0))
+        out.append(GaugeMetricFamily("forespark_wcs_mean_accepted_length", "1 + accepted drafts per verifying step", value=1.0 + accepted / wcs["verify_steps"] if wcs["verify_steps"] else 1.0))
+        for name in ("planner", "draft", "target", "step"):
+            out.append(CounterMetricFamily(f"forespark_wcs_{name}_seconds", f"WCS: time in {name}", value=wcs[f"{name}_ms"] / 1000.0))
+        out.append(CounterMetricFamily("forespark_wcs_steps", "steps that planned at least one request", value=wcs["steps"]))
+        out.append(GaugeMetricFamily("forespark_wcs_policy_info", "the speculation policy", labels=["policy"]))
+        out[-1].add_metric([wcs["policy"]], 1.0)
+    if routing is not None:
+        for name, doc in (
+            ("headroom_tokens", "target tokens per step that still fit under the TPOT-SLO step cap"),
+            ("step_ms", "predicted step time of the running batch (ms)"),
+            ("cap_ms", "step-time cap from the TPOT SLO (ms)"),
+            ("predicted_accept_len", "predicted mean accepted length of the running batch"),
+            ("tokens_per_step", "tokens per request per step over the last period"),
+        ):
+            value = getattr(routing, name)
+            if value is not None:
+                out.append(GaugeMetricFamily(f"forespark_replica_{name}", doc, value=value))
+    return out
+
+
+class _Families:
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self):
+        return self.families
+
+
+def render(families: Iterable[Metric]) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
+
+
+def replica_metrics_text(wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None) -> str:
+    """This process's registry (vLLM's metrics) followed by the replica's own families."""
+    from prometheus_client import REGISTRY
+
+    return generate_latest(REGISTRY).decode() + render(replica_families(wcs, routing, aborted))
+
+
+def merge_metrics(texts: dict[str, str]) -> str:
+    """One exposition from several replicas' texts: series gain a `replica` label; families are merged by name."""
+    merged: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text):
+            into = merged.get(fam.name)
+            if into is None:
+                into = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                into.samples.append(type(s)(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar))
+    return render(merged.values())
+
+
+class MetricsBoard:
+    """Latest metrics text per replica (a Ray actor: replicas post, the ingress reads)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[str, tuple[float, str]] = {}
+
+    def post(self, replica: str, text: str) -> None:
+        self._texts[replica] = (time.time(), text)
+
+    def texts(self, max_age_s: float = 60.0) -> dict[str, str]:
+        """Texts posted within `max_age_s` (a dead replica's last text ages out)."""
+        now = time.time()
+        self._texts = {k: v for k, v in self._texts.items() if now - v[0] <= max_age_s}
+        return {k: text for k, (_, text) in self._texts.items()}
+
+
+def metrics_board():
+    """The cluster's board actor, created by whoever asks first."""
+    import ray
+
+    return (
+        ray.remote(num_cpus=0)(MetricsBoard)
+        .options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True)
+        .remote()
+    )

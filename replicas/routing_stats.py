@@ -1,0 +1,124 @@
+"""What a replica tells the cluster router (Serve's `record_routing_stats`), and how it is computed.
+
+Serve polls each replica every `request_routing_stats_period_s` and hands the
+dict to every router, so the numbers are stale by up to a period: the router
+adds its own in-flight accounting on top (`cluster/router.py`). Everything
+here is in step terms, from the replica's own profiled cost model:
+
+- `step_ms`: predicted step time of the batch the engine runs now;
+- `cap_ms`: the step-time cap implied by the TPOT SLO (a step emits at least
+  one token per request, so steps under the cap keep every TPOT under it);
+- `headroom_tokens`: how many more target tokens per step fit under the cap;
+- `request_ms`: what one more request of the batch's average kind adds to a step;
+- `token_ms`: what one more verified draft token adds to a step;
+- `tokens_per_step`: tokens each request gets per step (1 + accepted drafts);
+- `predicted_accept_len`: the estimator's mean accepted length for the running batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel
+
+from scheduling.cost_model import StepCostModel
+
+
+class RoutingStats(BaseModel):
+    timestamp: float
+    running: int
+    waiting: int
+    kv_usage: float
+    max_num_seqs: int
+    cap_ms: float
+    step_ms: float | None = None  # None: no cost model (an engine without WCS)
+    headroom_tokens: float | None = None
+    request_ms: float | None = None
+    token_ms: float | None = None  # what one more verified token adds to a step
+    tokens_per_step: float = 1.0
+    verified_per_step: float = 0.0  # verified drafts per request-step
+    drafted_per_step: float = 0.0
+    predicted_accept_len: float = 1.0
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+
+class StepMix(BaseModel):
+    """Per request-step averages over the last stats period (from WCS counter deltas)."""
+
+    drafted: float = 0.0
+    verified: float = 0.0
+    accepted: float = 0.0
+
+
+def step_mix(now: dict, before: dict | None) -> StepMix | None:
+    """Averages between two `wcs_stats` snapshots; None when no request ran a step in between."""
+    if before is None:
+        return None
+    steps = now["planned_requests"] - before["planned_requests"]
+    if steps <= 0:
+        return None
+
+    def delta(name: str) -> float:
+        return (sum(now[name]) - sum(before[name])) / steps
+
+    return StepMix(drafted=delta("drafted_per_pos"), verified=delta("verified_per_pos"), accepted=delta("accepted_per_pos"))
+
+
+def headroom_tokens(
+    cost: StepCostModel, requests: int, drafted: float, target: float, cap_ms: float, token_budget: int
+) -> float:
+    """The largest t >= 0 with T(R, D, N + t) <= cap and N + t <= the engine's token budget
+    (0 when the batch already exceeds either); T is monotone in N."""
+    most = token_budget - round(target)
+    if most <= 0 or cost.step_ms(requests, round(drafted), round(target)) > cap_ms:
+        return 0.0
+    if cost.step_ms(requests, round(drafted), round(target) + most) <= cap_ms:
+        return float(most)
+    lo, hi = 0, most
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost.step_ms(requests, round(drafted), round(target) + mid) <= cap_ms:
+            lo = mid
+        else:
+            hi = mid
+    return float(lo)
+
+
+def routing_stats(
+    *,
+    cost: StepCostModel | None,
+    running: int,
+    waiting: int,
+    kv_usage: float,
+    max_num_seqs: int,
+    token_budget: int,
+    cap_ms: float,
+    mix: StepMix,
+    predicted_accept_len: float,
+) -> RoutingStats:
+    stats = RoutingStats(
+        timestamp=time.time(),
+        running=running,
+        waiting=waiting,
+        kv_usage=kv_usage,
+        max_num_seqs=max_num_seqs,
+        cap_ms=cap_ms,
+        tokens_per_step=1.0 + mix.accepted,
+        verified_per_step=mix.verified,
+        drafted_per_step=mix.drafted,
+        predicted_accept_len=predicted_accept_len,
+    )
+    if cost is None:
+        return stats
+    r = running
+    drafted, target = r * mix.drafted, r * (1.0 + mix.verified)
+    step = cost.step_ms(r, round(drafted), round(target))
+    more = cost.step_ms(r + 1, round(drafted + mix.drafted), round(target + 1.0 + mix.verified))
+    stats.step_ms = step
+    stats.request_ms = max(more - step, 0.0)
+    stats.token_ms = max((cost.step_ms(r, round(drafted), round(target) + 8) - step) / 8.0, 1e-3)
+    stats.headroom_tokens = headroom_tokens(cost, r, drafted, target, cap_ms, token_budget)
+    return stats

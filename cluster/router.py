@@ -1,0 +1,130 @@
+"""The cluster's request router: places each request by predicted acceptance and SLO headroom.
+
+A Ray Serve `RequestRouter` running in the ingress (the handle's owner), so
+it sees each request's body. Per request it
+
+1. predicts the request's acceptance from its prompt (`PromptModel`), relative to the workload's;
+2. takes each replica's last `RoutingStats` and corrects them with its own
+   in-flight accounting: requests it routed there since those stats were
+   taken, minus those that finished since (the stats are up to a period old);
+3. scores each replica by the TPOT slack left after placing the request
+   there (`placement_slack`), and returns the replicas ranked by it.
+
+Serve then takes the first rank whose replica is below
+`max_ongoing_requests` (ties share a rank; Serve picks the shorter queue).
+Replicas without fresh stats (cold start) make the decision fall back to
+power-of-two choices, as Serve's default router does. Requests back off when
+every replica is full, and a replica that died is dropped at once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from cluster import router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
+from cluster.placement import FleetArrays, expected_tokens_per_step, placement_slack
+from cluster.prompt_model import PromptModel
+from replicas.routing_stats import RoutingStats
+
+ROUTER_NAME = "acceptance_headroom"
+
+
+class _FleetView:
+    """The candidates' stats as arrays (rebuilt only when a replica's stats or the candidate list change),
+    with the router's in-flight count per replica when each replica's stats were taken."""
+
+    def __init__(self, candidates: list[RunningReplica], raws: list[dict], previous: "_FleetView | None", in_flight: dict) -> None:
+        self.key = (id(candidates), len(candidates))
+        self.ids = [r.replica_id for r in candidates]
+        self.raw_ids = [id(raw) for raw in raws]
+        stats = [RoutingStats.model_validate(raw) for raw in raws]
+        self.arrays = FleetArrays(stats)
+        self.oldest = min(s.timestamp for s in stats)
+        before = {} if previous is None else dict(zip(previous.ids, zip(previous.raw_ids, previous.baseline)))
+        self.baseline = np.array(
+            [
+                before[rid][1] if rid in before and before[rid][0] == raw_id else in_flight.get(rid, 0)
+                for rid, raw_id in zip(self.ids, self.raw_ids)
+            ],
+            dtype=np.float64,
+        )
+
+    def current(self, candidates: list[RunningReplica]) -> bool:
+        if self.key != (id(candidates), len(candidates)):
+            return False
+        return all(id(r.routing_stats) == raw_id and r.replica_id == rid for r, rid, raw_id in zip(candidates, self.ids, self.raw_ids))
+
+
+class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, stale_after_s: float = 10.0, tie_ms: float = 1.0, top_ranks: int = 3, **_: Any) -> None:
+        """`stale_after_s`: stats older than this count as missing; `tie_ms`: slack differences that count as ties."""
+        self.stale_after_s = stale_after_s
+        self.tie_ms = tie_ms
+        self.top_ranks = top_ranks
+        self.model = PromptModel.shipped()
+        self.in_flight: dict[ReplicaID, int] = defaultdict(int)
+        self._view: _FleetView | None = None
+        self._decisions = router_metrics.DECISIONS.labels(ROUTER_NAME, "ranked")
+        self._fallbacks = router_metrics.DECISIONS.labels(ROUTER_NAME, "fallback")
+        self._timer = router_metrics.DECISION_SECONDS.labels(ROUTER_NAME)
+
+    def _fleet(self, candidates: list[RunningReplica]) -> _FleetView | None:
+        view = self._view
+        if view is None or not view.current(candidates):
+            raws = [r.routing_stats for r in candidates]
+            if not all(raws):
+                return None
+            view = self._view = _FleetView(candidates, raws, view, self.in_flight)
+        return view if time.time() - view.oldest <= self.stale_after_s else None
+
+    def rank(self, candidates: list[RunningReplica], body: dict | None) -> list[list[RunningReplica]]:
+        view = self._fleet(candidates)
+        if view is None:  # cold start or a silent replica: power of two choices, Serve picks the shorter queue
+            self._fallbacks.inc()
+            return [random.sample(candidates, min(2, len(candidates)))]
+        in_flight = self.in_flight
+        added = np.fromiter((in_flight.get(rid, 0) for rid in view.ids), dtype=np.float64, count=len(view.ids)) - view.baseline
+        relative = self.model.relative_acceptance(body) if body else 1.0
+        slack = placement_slack(view.arrays, added, expected_tokens_per_step(view.arrays, relative))
+        order = np.argsort(-slack, kind="stable")
+        best = slack[order[0]]
+        tied = int(np.searchsorted(-slack[order], -best + self.tie_ms, side="right"))
+        ranked = [candidates[i] for i in order]
+        self._decisions.inc()
+        singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]
+        tail = ranked[tied + self.top_ranks - 1 :]
+        return [ranked[:tied], *singles, *([tail] if tail else [])]
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        body = None
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # otherwise Serve busy-loops while all are full
+            args = pending_request.args
+            if len(args) > 1 and isinstance(args[1], dict):
+                body = args[1]
+        start = time.perf_counter()
+        ranks = self.rank(candidate_replicas, body)
+        self._timer.observe(time.perf_counter() - start)
+        return ranks
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        self.in_flight[replica_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.in_flight.get(replica_id, 0) > 0:
+            self.in_flight[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)  # Serve stops offering it as a candidate at once
+        self.in_flight.pop(replica_id, None)
+        self._view = None

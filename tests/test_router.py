@@ -1,0 +1,210 @@
+"""The cluster router's parts without a cluster: routing stats, the placement score, the prompt model,
+the router's ranking and in-flight accounting, the merged /metrics, and GPU placement options.
+
+Replicas here are stand-ins for Serve's `RunningReplica` (which needs live actors): they carry the
+id and routing stats the router reads. `tests/test_serve.py` runs the same router inside real Serve.
+"""
+
+import asyncio
+import random
+import time
+
+import numpy as np
+import pytest
+
+from cluster.bench_router import BenchReplica
+from cluster.placement import FleetArrays, expected_tokens_per_step, placement_slack
+from replicas.routing_stats import StepMix, headroom_tokens, routing_stats
+from scheduling.cost_model import StepCostModel
+
+COST = StepCostModel.linear(intercept_ms=8.0, per_request_ms=0.2, per_draft_ms=0.2, per_target_ms=0.3, draft_launch_ms=5.0)
+MIX = StepMix(drafted=3.0, verified=2.0, accepted=1.0)
+
+
+def stats(running: int, *, cap_ms: float = 60.0, mix: StepMix = MIX, waiting: int = 0, max_num_seqs: int = 64):
+    return routing_stats(
+        cost=COST, running=running, waiting=waiting, kv_usage=0.1, max_num_seqs=max_num_seqs,
+        token_budget=4096, cap_ms=cap_ms, mix=mix, predicted_accept_len=2.5,
+    )
+
+
+def test_headroom_is_the_largest_token_count_under_the_cap():
+    for r, n, cap in [(1, 3, 20.0), (16, 40, 30.0), (64, 200, 80.0), (64, 200, 10.0)]:
+        h = headroom_tokens(COST, r, 10, n, cap, token_budget=4096)
+        fits = [t for t in range(0, 500) if COST.step_ms(r, 10, n + t) <= cap]
+        assert h == (max(fits) if fits else 0.0), (r, n, cap)
+    # The engine's token budget bounds it too (a flat cost model would otherwise claim unbounded room).
+    flat = StepCostModel.linear(intercept_ms=1.0, per_request_ms=0.0, per_draft_ms=0.0, per_target_ms=0.0)
+    assert headroom_tokens(flat, 4, 0, 8, 50.0, token_budget=100) == 92
+
+
+def score(fleet, added, tokens):
+    return placement_slack(FleetArrays(fleet), np.asarray(added, dtype=float), tokens)
+
+
+def test_placement_prefers_the_unloaded_replica_and_counts_requests_routed_since_the_stats():
+    slack = score([stats(40), stats(2)], [0, 0], 2.0)
+    assert slack[1] > slack[0] + 1.0
+    # Requests the router sent to the idle one since its stats were taken load it on paper.
+    slack = score([stats(40), stats(2)], [0, 45], 2.0)
+    assert slack[0] > slack[1]
+    # A replica whose batch is full queues the request: a whole cap of slack lost.
+    full = score([stats(63, max_num_seqs=64, waiting=3)], [0], 2.0)
+    assert full[0] < score([stats(63, max_num_seqs=128)], [0], 2.0)[0] - 50.0
+
+
+def test_acceptance_pays_only_where_there_is_room_to_verify():
+    base = stats(30, cap_ms=1000.0, mix=StepMix(drafted=6.0, verified=5.0, accepted=4.0))  # the batch gets 5 tokens a step
+    step_after = base.step_ms + base.request_ms
+    tight = base.model_copy(update={"cap_ms": step_after})  # no room left to verify a draft
+    roomy = base.model_copy(update={"cap_ms": step_after + 500.0})
+
+    def tpot(s, tokens):  # slack = cap - TPOT when nothing queues
+        return s.cap_ms - score([s], [0], tokens)[0]
+
+    assert tpot(roomy, 4.0) == pytest.approx(step_after / 4.0)
+    assert tpot(tight, 4.0) == pytest.approx(step_after, rel=0.01)  # its drafts cannot be verified there
+    # Negative control: a request expected to accept nothing fares the same in both.
+    assert tpot(tight, 1.0) == pytest.approx(tpot(roomy, 1.0)) == pytest.approx(step_after)
+
+
+def test_expected_tokens_scale_with_the_requests_relative_acceptance():
+    fleet = FleetArrays([stats(8, mix=StepMix(drafted=4, verified=3, accepted=2)), stats(8)])
+    assert expected_tokens_per_step(fleet, 1.0) == pytest.approx(1.0 + (3.0 + 2.0) / 2 - 1.0)
+    assert expected_tokens_per_step(fleet, 1.2) > expected_tokens_per_step(fleet, 0.8)
+
+
+def test_prompt_model_tells_the_shipped_domains_apart_held_out():
+    from cluster.prompt_model import PromptModel
+    from replicas.models.workloads import load_workloads
+
+    workloads = load_workloads()
+    rng = random.Random(0)
+    pairs = [(p.prompt, d) for d in workloads for p in workloads[d]]
+    rng.shuffle(pairs)
+    train, test = pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]
+    accept = {"code": 6.6, "prose": 6.3}
+    model = PromptModel.fit([t for t, _ in train], [d for _, d in train], accept)
+    assert model.accuracy([t for t, _ in test], [d for _, d in test]) >= 0.9
+    # Negative control: trained on shuffled labels it is near chance.
+    labels = [d for _, d in train]
+    rng.shuffle(labels)
+    control = PromptModel.fit([t for t, _ in train], labels, accept)
+    assert control.accuracy([t for t, _ in test], [d for _, d in test]) <= 0.75
+    code = next(t for t, d in test if d == "code")
+    assert model.predict({"prompt": code}) == pytest.approx(6.6, abs=0.1)
+    assert model.predict({"messages": [{"role": "user", "content": code}]}) == pytest.approx(6.6, abs=0.1)
+
+
+def make_router():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cluster.router import AcceptanceHeadroomRouter
+
+    router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="E", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(tie_ms=0.5)
+    return router
+
+
+def fleet(loads: list[int]):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    dep = DeploymentID(name="E", app_name="t")
+    return [BenchReplica(ReplicaID(unique_id=f"r{i}", deployment_id=dep), stats(n).model_dump()) for i, n in enumerate(loads)]
+
+
+def pending(body=None):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    return PendingRequest(args=["completions", body or {"prompt": "def f(x):"}], kwargs={}, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
+
+
+def test_router_ranks_the_least_loaded_first_and_backs_off():
+    async def go():
+        router, replicas = make_router(), fleet([50, 5, 30])
+        request = pending()
+        ranks = await router.choose_replicas(replicas, request)
+        assert request.routing_context.should_backoff
+        assert [r.replica_id.unique_id for rank in ranks for r in rank] == ["r1", "r2", "r0"]
+
+    asyncio.run(go())
+
+
+def test_router_in_flight_accounting_spreads_requests_between_stats_updates():
+    async def go():
+        router, replicas = make_router(), fleet([20, 20])
+        chosen = []
+        for _ in range(40):  # no stats refresh in between: only the router's own accounting moves
+            request = pending()
+            first = (await router.choose_replicas(replicas, request))[0]
+            pick = first[0] if len(first) == 1 else random.choice(first)
+            router.on_request_routed(request, pick.replica_id, None)
+            chosen.append(pick.replica_id.unique_id)
+        assert abs(chosen.count("r0") - chosen.count("r1")) <= 2
+        # New stats for r0 (now showing the requests it got) reset its baseline: nothing is counted twice.
+        replicas[0].routing_stats = stats(20 + chosen.count("r0")).model_dump()
+        replicas[1].routing_stats = stats(20 + chosen.count("r1")).model_dump()
+        view = router._fleet(replicas)
+        assert list(view.baseline) == [chosen.count("r0"), chosen.count("r1")]
+
+    asyncio.run(go())
+
+
+def test_router_falls_back_to_two_choices_without_fresh_stats_and_forgets_dead_replicas():
+    async def go():
+        router, replicas = make_router(), fleet([10, 10, 10, 10])
+        replicas[2].routing_stats = {}
+        ranks = await router.choose_replicas(replicas, pending())
+        assert len(ranks) == 1 and len(ranks[0]) == 2
+        replicas[2].routing_stats = {**stats(10).model_dump(), "timestamp": time.time() - 3600}
+        assert len((await router.choose_replicas(replicas, pending()))[0]) == 2
+        replicas[2].routing_stats = stats(10).model_dump()
+        assert sum(len(r) for r in await router.choose_replicas(replicas, pending())) == 4
+        router.on_request_routed(pending(), replicas[3].replica_id, None)
+        router.on_replica_actor_died(replicas[3].replica_id)
+        assert replicas[3].replica_id not in router.in_flight and router._view is None
+
+    asyncio.run(go())
+
+
+def test_merged_metrics_label_each_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from replicas.metrics import merge_metrics, render, replica_families
+
+    wcs = {
+        "policy": "wcs", "k": 2, "steps": 3, "planned_requests": 4, "drafted_per_pos": [4, 2], "verified_per_pos": [3, 1],
+        "accepted_per_pos": [2, 0], "verify_steps": 3, "drafter_passes": 3, "drafter_rows": 9,
+        "planner_ms": 1.0, "draft_ms": 2.0, "target_ms": 3.0, "step_ms": 7.0,
+    }
+    a = render(replica_families(wcs, stats(3), aborted=1))
+    b = render(replica_families(wcs, stats(9), aborted=0))
+    merged = {f.name: f for f in text_string_to_metric_families(merge_metrics({"a": a, "b": b}))}
+    aborted = {s.labels["replica"]: s.value for s in merged["forespark_engine_aborted_requests"].samples if s.name.endswith("_total")}
+    assert aborted == {"a": 1.0, "b": 0.0}
+    waste = merged["forespark_wcs_draft_waste"].samples
+    assert {s.labels["replica"] for s in waste} == {"a", "b"} and waste[0].value == pytest.approx(2 / 6)
+    per_pos = merged["forespark_wcs_accepted_tokens"].samples
+    assert {(s.labels["position"], s.labels["replica"]) for s in per_pos if s.name.endswith("_total")} == {
+        ("1", "a"), ("2", "a"), ("1", "b"), ("2", "b"),
+    }
+
+
+def test_gpu_tensor_parallel_replicas_get_one_bundle_per_gpu():
+    """GPU placement cannot run here: this checks the deployment options Serve would be given."""
+    from ray.serve.schema import DeploymentSchema
+
+    from cluster.app import engine_deployment_options
+    from replicas.deployment import ReplicaConfig
+    from replicas.engine import EngineConfig
+
+    config = ReplicaConfig(accelerator="gpu", num_cpus=2, engine=EngineConfig(tensor_parallel_size=4))
+    options = engine_deployment_options(config)
+    assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}]
+    assert options["ray_actor_options"]["num_gpus"] == 0
+    assert config.replica_engine().distributed_executor_backend == "ray"
+    DeploymentSchema(name="EngineReplica", **options)  # Serve's own schema accepts them
+    one = engine_deployment_options(ReplicaConfig(accelerator="gpu"))
+    assert one == {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 1}}
+    assert ReplicaConfig().replica_engine().distributed_executor_backend is None

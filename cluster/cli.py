@@ -4,6 +4,7 @@
     forespark demo                       offline planner demo (no server)
     forespark bench planner [--json P]   decision time of the WCS planner per engine step
     forespark bench engine [--json P]    every policy on one WCS vLLM engine, matched-rate throughput ratios
+    forespark bench router [--json P]    decision time of the cluster router at 8..256 replicas
     forespark models build [--check]     train the embedded target + drafter from the standard library
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
@@ -63,29 +64,43 @@ def _default_replicas() -> int:
     return max(2, (os.cpu_count() or 2) // 2)
 
 
+def load_app_config(path: str | None, overrides: dict[str, dict]) -> "AppConfig":
+    """The application config from a YAML/JSON file, with command-line values (where given) on top."""
+    import yaml
+
+    from cluster.app import AppConfig
+
+    raw = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    for section, values in overrides.items():
+        given = {k: v for k, v in values.items() if v is not None}
+        if given:
+            raw.setdefault(section, {}).update(given)
+    config = AppConfig.model_validate(raw)
+    replica = raw.get("replica", {})
+    if "num_replicas" not in replica:
+        config.replica.num_replicas = _default_replicas()
+    if "num_cpus" not in replica:
+        import os
+
+        config.replica.num_cpus = max(1.0, (os.cpu_count() or 2) / config.replica.num_replicas)
+    return config
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
     import signal
     import threading
 
-    import yaml
-
-    from replicas.deployment import ReplicaConfig, build_deployment
+    from cluster.app import build_app
     from replicas.engine import cpu_engine_environment
 
     cpu_engine_environment()
-    raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    overrides = {"api_key": args.api_key, "num_replicas": args.replicas}
-    raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        config = ReplicaConfig.model_validate(raw)
-    except ValueError as e:
+        config = load_app_config(
+            args.config, {"ingress": {"api_key": args.api_key}, "replica": {"num_replicas": args.replicas}, "router": {"kind": args.router}}
+        )
+    except (ValueError, OSError) as e:
         print(f"forespark serve: invalid configuration: {e}", file=sys.stderr)
         return 2
-    if "num_replicas" not in raw:
-        config = config.model_copy(update={"num_replicas": _default_replicas()})
-    if "num_cpus" not in raw:
-        config = config.model_copy(update={"num_cpus": max(1.0, (os.cpu_count() or 2) / config.num_replicas)})
 
     import ray
     from ray import serve
@@ -98,9 +113,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        print(f"starting {config.num_replicas} replica(s); the first start profiles each engine's step cost", flush=True)
-        serve.run(build_deployment(config), name="forespark", route_prefix="/")
-        print(f"serving the OpenAI API at http://{args.host}:{args.port}/v1 (model {config.served_model_name!r}); Ctrl-C stops", flush=True)
+        print(
+            f"starting {config.replica.num_replicas} engine replica(s), router {config.router.kind}; "
+            "the first start profiles each engine's step cost",
+            flush=True,
+        )
+        serve.run(build_app(config), name="forespark", route_prefix="/")
+        print(
+            f"serving the OpenAI API at http://{args.host}:{args.port}/v1 (model {config.replica.served_model_name!r}); "
+            f"metrics at /metrics; Ctrl-C stops",
+            flush=True,
+        )
         stop.wait()
         print("stopping", flush=True)
     finally:
@@ -148,6 +171,18 @@ def cmd_models_build(args: argparse.Namespace) -> int:
         print(f"MISMATCH {p}", file=sys.stderr)
     print("rebuild matches the shipped models" if not problems else "rebuild differs from the shipped models")
     return 0 if not problems else 1
+
+
+def cmd_bench_router(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from cluster import bench_router
+
+    with tqdm(total=2 * len(args.replicas), desc="router bench", unit="variant") as bar:
+        result = bench_router.run(args.replicas, decisions=args.decisions, progress=lambda _row: bar.update())
+    print(bench_router.format_table(result))
+    _write_json(args.json, result.model_dump())
+    return 0
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -208,12 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve (local Ray unless --address)")
-    srv.add_argument("--config", metavar="PATH", help="YAML/JSON replica config (replicas/deployment.py: ReplicaConfig)")
+    srv.add_argument("--config", metavar="PATH", help="YAML/JSON application config (cluster/app.py: AppConfig)")
     srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--replicas", type=int, default=None, help="engine replicas (default: max(2, CPUs / 2))")
     srv.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    srv.add_argument("--router", choices=("acceptance_headroom", "pow2"), default=None, help="request router (default: acceptance_headroom)")
     srv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="offline planner demo on synthetic acceptances (no server)")
@@ -231,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--ks", type=_int_list, default=(4, 8, 16), help="comma-separated block sizes")
     planner.add_argument("--reps", type=int, default=3000, help="timed decisions per configuration")
     planner.set_defaults(func=cmd_bench_planner)
+    router = bench_sub.add_parser("router", help="decision time of the cluster router per request (p50 target: 200 us at 64 replicas)")
+    router.add_argument("--json", metavar="PATH", help="write results here")
+    router.add_argument("--replicas", type=_int_list, default=(8, 64, 256), help="comma-separated fleet sizes")
+    router.add_argument("--decisions", type=int, default=3000, help="timed decisions per (variant, fleet size)")
+    router.set_defaults(func=cmd_bench_router)
     engine = bench_sub.add_parser("engine", help="every policy on one WCS vLLM engine at several concurrencies")
     engine.add_argument("--json", metavar="PATH", help="write {ratios, matched_rate, rows} here")
     engine.add_argument("--policies", type=_policy_list, default=("ar", "static", "dspark", "wcs"), help="comma-separated policies")

@@ -1,54 +1,236 @@
-"""The replica deployment on real Ray Serve, over real HTTP, with the official `openai` client."""
+"""The whole application on real Ray Serve: ingress, acceptance/headroom router, two WCS engine replicas
+(real vLLM CPU engines), over real HTTP with the official `openai` client.
 
+Tests run in file order against one deployment; the replica-killing test comes last.
+"""
+
+import asyncio
+import threading
+import time
+
+import httpx
 import pytest
 
 from replicas.engine import cpu_engine_environment
 
 cpu_engine_environment()
 
+PORT = 8765
+URL = f"http://127.0.0.1:{PORT}"
+KEY = "serve-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
 
 @pytest.fixture(scope="module")
-def serve_url():
+def app():
     import ray
     from ray import serve
 
-    from replicas.deployment import ReplicaConfig, build_deployment
+    from cluster.app import AppConfig, build_app
+    from cluster.ingress import IngressConfig
+    from replicas.deployment import ReplicaConfig
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8765})
-    # Small limits, so that overload is reachable from one test.
-    config = ReplicaConfig(num_replicas=1, max_ongoing_requests=2, max_queued_requests=2)
-    serve.run(build_deployment(config), name="forespark", route_prefix="/")
-    yield "http://127.0.0.1:8765"
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    # Small limits, so that overload is reachable from one test; a short stats period for the router.
+    config = AppConfig(
+        replica=ReplicaConfig(num_replicas=2, max_ongoing_requests=3, max_queued_requests=2, stats_period_s=0.5),
+        ingress=IngressConfig(api_key=KEY),
+    )
+    serve.run(build_app(config), name="forespark", route_prefix="/")
+    yield config
     serve.shutdown()
     ray.shutdown()
 
 
-def test_openai_client_through_serve(serve_url):
-    from openai import OpenAI
+def complete(prompt="def f(x):", max_tokens=4, timeout=120, **extra):
+    body = {"model": "forespark", "prompt": prompt, "max_tokens": max_tokens, **extra}
+    return httpx.post(f"{URL}/v1/completions", json=body, headers=AUTH, timeout=timeout)
 
-    client = OpenAI(base_url=f"{serve_url}/v1", api_key="none", max_retries=0)
+
+def metric(text: str, name: str, **labels) -> dict[str, float]:
+    """{replica (or ""): value} of the samples of `name` matching `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                out[s.labels.get("replica", "")] = s.value
+    return out
+
+
+def metrics() -> str:
+    return httpx.get(f"{URL}/metrics", timeout=30).text
+
+
+def test_openai_client_completes_and_streams_and_the_key_is_required(app):
+    from openai import AuthenticationError, OpenAI
+
+    client = OpenAI(base_url=f"{URL}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["forespark"]
     done = client.completions.create(model="forespark", prompt="def fib(n):", max_tokens=10, temperature=0)
     assert done.usage.completion_tokens == 10
     chunks = list(client.completions.create(model="forespark", prompt="import ", max_tokens=10, stream=True))
     assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks)
+    chat = client.chat.completions.create(model="forespark", messages=[{"role": "user", "content": "def f():"}], max_tokens=6)
+    assert chat.usage.completion_tokens == 6
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{URL}/v1", api_key="wrong", max_retries=0).completions.create(model="forespark", prompt="x", max_tokens=2)
+    raw = httpx.post(f"{URL}/v1/completions", json={"model": "forespark", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert raw.status_code == 401
 
 
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        ({"model": "nope", "prompt": "x", "max_tokens": 2}, 404, None),
+        ({"model": "forespark", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "forespark", "prompt": "x", "temperature": -2}, 400, None),
+        ({"model": "forespark", "prompt": "x " * 3000, "max_tokens": 2}, 400, None),
+    ],
+)
+def test_bad_input_gets_an_openai_error_through_the_ingress_and_serving_goes_on(app, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{URL}/v1/completions", headers={**AUTH, "content-type": "application/json"}, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == status and err["type"]
+    if param:
+        assert param in (err.get("param") or err["message"])
+    assert complete().status_code == 200
 
-def test_overload_is_turned_away_with_429_and_retry_after(serve_url):
-    import asyncio
 
-    import httpx
+def replica_actors():
+    import ray
 
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
+    return {name.rsplit("#", 1)[-1]: ray.get_actor(name, namespace="serve") for name in names}
+
+
+def load_directly(actor, requests: int, max_tokens: int) -> None:
+    """Test harness: start `requests` generations in one replica's engine, bypassing the router.
+
+    Reaches into Serve's replica actor (pinned Ray) to get at the EngineReplica instance and its loop.
+    """
+    import ray
+
+    def start(replica_actor, n, max_tokens):
+        import asyncio as aio
+
+        from vllm import SamplingParams
+
+        wrapper = replica_actor._replica_impl._user_callable_wrapper
+        engine = wrapper.user_callable.engine.engine
+
+        async def run(i):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+            async for _ in engine.generate("def load(x):", params, request_id=f"direct-load-{i}-{time.time()}"):
+                pass
+
+        for i in range(n):
+            aio.run_coroutine_threadsafe(run(i), wrapper.event_loop)
+
+    ray.get(actor.__ray_call__.remote(start, requests, max_tokens))
+
+
+def wait_for(predicate, timeout=60.0, every=0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def test_the_router_sends_new_requests_away_from_a_loaded_replica(app):
+    # The custom router is the one deciding (its own series, in the ingress's /metrics).
+    complete()
+    ranked = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="ranked")
+    assert ranked[""] >= 1
+    loaded, idle = sorted(replica_actors())
+    load_directly(replica_actors()[loaded], requests=24, max_tokens=600)
+    wait_for(lambda: metric(metrics(), "vllm:num_requests_running").get(loaded, 0) >= 20)
+    time.sleep(2.0)  # two stats periods: the router has seen the load
+    before = metric(metrics(), "vllm:request_success_total", finished_reason="length")
+    for _ in range(8):
+        assert complete(max_tokens=2).status_code == 200
+    time.sleep(1.5)  # the board's texts are refreshed every stats period
+    after = metric(metrics(), "vllm:request_success_total", finished_reason="length")
+    served = {r: after[r] - before.get(r, 0) for r in after}
+    assert served.get(idle, 0) >= 7, served  # the long direct generations are still running on `loaded`
+    assert metric(metrics(), "vllm:num_requests_running").get(loaded, 0) > 0, "the load ended before the check"
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(app):
+    def aborted():
+        return sum(metric(metrics(), "forespark_engine_aborted_requests_total").values())
+
+    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=180)
+    start_aborted = aborted()
+    generated = lambda: sum(metric(metrics(), "vllm:generation_tokens_total").values())  # noqa: E731
+    with httpx.stream(
+        "POST", f"{URL}/v1/completions", headers=AUTH, timeout=60,
+        json={"model": "forespark", "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True, "stream": True},
+    ) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    tokens_at_disconnect = generated()
+    wait_for(lambda: aborted() > start_aborted, timeout=30)
+    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=30)
+    time.sleep(1.0)
+    assert generated() - tokens_at_disconnect < 300  # far fewer than the 900 asked for: the engine stopped
+
+
+def test_overload_is_turned_away_with_429_retry_after_and_an_openai_body(app):
     async def burst():
-        async with httpx.AsyncClient(timeout=300) as client:
-            body = {"model": "forespark", "prompt": "def f():", "max_tokens": 64, "ignore_eos": True}
-            return await asyncio.gather(*(client.post(f"{serve_url}/v1/completions", json=body) for _ in range(12)))
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as client:
+            body = {"model": "forespark", "prompt": "def f():", "max_tokens": 48, "ignore_eos": True}
+            return await asyncio.gather(*(client.post(f"{URL}/v1/completions", json=body) for _ in range(16)))
 
     replies = asyncio.run(burst())
     codes = sorted(r.status_code for r in replies)
-    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
-    assert all(r.headers.get("retry-after") == "1" for r in replies if r.status_code == 429)
+    assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    for r in replies:
+        if r.status_code == 429:
+            assert r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == 429
     # Nothing was lost for the requests it took, and it keeps serving.
-    assert all(r.json()["usage"]["completion_tokens"] == 64 for r in replies if r.status_code == 200)
-    assert httpx.post(f"{serve_url}/v1/completions", json={"model": "forespark", "prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in replies if r.status_code == 200)
+    assert complete().status_code == 200
+
+
+def test_a_replica_killed_under_load_hangs_no_request_and_the_other_serves_on(app):
+    import ray
+
+    results: list = []
+
+    def stream_one(i):
+        try:
+            with httpx.stream(
+                "POST", f"{URL}/v1/completions", headers=AUTH, timeout=120,
+                json={"model": "forespark", "prompt": f"def g{i}(x):", "max_tokens": 300, "ignore_eos": True, "stream": True},
+            ) as r:
+                lines = [line for line in r.iter_lines() if line]
+                results.append((r.status_code, lines[-1] if lines else ""))
+        except Exception as e:  # a hang shows up as a timeout here
+            results.append((None, repr(e)))
+
+    threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    time.sleep(3.0)
+    victim = sorted(replica_actors())[0]
+    ray.kill(replica_actors()[victim], no_restart=False)
+    start = time.time()
+    for t in threads:
+        t.join(timeout=150)
+    assert not any(t.is_alive() for t in threads) and time.time() - start < 150
+    # Every stream ended properly: completed, or told of the failure, always with [DONE]; or turned away at once.
+    assert len(results) == 5
+    for status, last in results:
+        assert (status == 200 and last == "data: [DONE]") or status in (429, 503), (status, last)
+    ok = [complete(max_tokens=3, timeout=60) for _ in range(4)]
+    assert [r.status_code for r in ok] == [200] * 4

@@ -12,7 +12,7 @@ def test_forespark_serve_starts_serves_and_stops_on_sigterm(tmp_path):
     import httpx
 
     config = tmp_path / "serve.yaml"
-    config.write_text("num_replicas: 1\nnum_cpus: 1\nserved_model_name: embedded\n")
+    config.write_text("replica:\n  num_replicas: 1\n  num_cpus: 1\n  served_model_name: embedded\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "8766"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
@@ -47,3 +47,56 @@ def test_serve_rejects_an_invalid_config(tmp_path):
     config.write_text("num_replicas: 0\nno_such_key: 1\n")
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "invalid configuration" in proc.stderr
+
+
+def test_serve_run_of_the_shipped_local_manifest_serves_the_same_application(tmp_path):
+    """`serve run manifests/serve-local.yaml` (Ray's own CLI): the same OpenAI app; here on another port, one replica."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+    import yaml
+
+    manifest = yaml.safe_load(Path("manifests/serve-local.yaml").read_text())
+    manifest["http_options"]["port"] = 8767
+    manifest["applications"][0]["args"]["replica"]["num_replicas"] = 1
+    config = tmp_path / "serve-local.yaml"
+    config.write_text(yaml.safe_dump(manifest))
+    serve_cli = Path(sys.executable).parent / "serve"
+    proc = subprocess.Popen(
+        [str(serve_cli), "run", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        deadline = time.time() + 600
+        status = None
+        while time.time() < deadline and status != 200:
+            try:
+                r = httpx.post(
+                    "http://127.0.0.1:8767/v1/completions",
+                    json={"model": "forespark", "prompt": "import os\n", "max_tokens": 4}, timeout=60,
+                )
+                status = r.status_code
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(2)
+        assert status == 200 and r.json()["usage"]["completion_tokens"] == 4
+        for _ in range(30):  # replicas post their metrics every stats period
+            metrics = httpx.get("http://127.0.0.1:8767/metrics", timeout=30).text
+            if "forespark_replica_headroom_tokens" in metrics:
+                break
+            time.sleep(1)
+        assert "forespark_replica_headroom_tokens" in metrics and "vllm:generation_tokens" in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

@@ -1,0 +1,93 @@
+"""The Serve application: an HTTP ingress in front of the engine replicas, with the cluster router between.
+
+    client --HTTP--> Ingress (OpenAI app, router) --handle--> EngineReplica x N (WCS engine each)
+
+`AppConfig` is the whole application's configuration (what `forespark serve
+--config` and `manifests/serve-local.yaml` hold). `build_app` turns it into a
+bound Serve application; `app_builder` is the same for `serve run` /
+`serve deploy` import paths (`cluster.app:app_builder`, the config as args).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.ingress import Ingress, IngressConfig
+from replicas.deployment import EngineReplica, ReplicaConfig
+
+ROUTER_CLASSES = {
+    "acceptance_headroom": "cluster.router:AcceptanceHeadroomRouter",
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default, for comparisons
+}
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["acceptance_headroom", "pow2"] = "acceptance_headroom"
+    stale_after_s: float = Field(default=10.0, gt=0, description="replica stats older than this count as missing")
+    tie_ms: float = Field(default=1.0, ge=0, description="TPOT-slack differences treated as ties (ms)")
+
+    def request_router_config(self, stats_period_s: float):
+        from ray.serve.config import RequestRouterConfig
+
+        kwargs = {} if self.kind == "pow2" else {"stale_after_s": self.stale_after_s, "tie_ms": self.tie_ms}
+        return RequestRouterConfig(
+            request_router_class=ROUTER_CLASSES[self.kind],
+            request_router_kwargs=kwargs,
+            request_routing_stats_period_s=stats_period_s,
+            request_routing_stats_timeout_s=max(2.0 * stats_period_s, 5.0),
+        )
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+
+def engine_deployment_options(config: ReplicaConfig) -> dict[str, Any]:
+    """Resources of one engine replica: CPUs, or GPUs as one placement-group bundle per tensor-parallel rank."""
+    tp = config.engine.tensor_parallel_size
+    if config.accelerator == "cpu":
+        return {"ray_actor_options": {"num_cpus": config.num_cpus}}
+    if tp == 1:
+        return {"ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": 1}}
+    # The replica actor takes only CPU; vLLM's Ray executor places one worker per GPU bundle.
+    return {
+        "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": 0},
+        "placement_group_bundles": [{"CPU": config.num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1),
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
+def build_app(config: AppConfig):
+    from ray import serve
+
+    rc = config.replica
+    engine = serve.deployment(EngineReplica).options(
+        name="EngineReplica",
+        num_replicas=rc.num_replicas,
+        max_ongoing_requests=rc.max_ongoing_requests,
+        max_queued_requests=rc.max_queued_requests,
+        request_router_config=config.router.request_router_config(rc.stats_period_s),
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        **engine_deployment_options(rc),
+    )
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(
+        name="Ingress",
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(engine.bind(rc), config.ingress)
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run` / Serve config entry point: `import_path: cluster.app:app_builder`, `args:` an AppConfig."""
+    return build_app(AppConfig.model_validate(args or {}))

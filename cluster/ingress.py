@@ -1,0 +1,128 @@
+"""The HTTP ingress deployment: the OpenAI app (`replicas/http_app.py`) over the engine replicas' handle.
+
+The ingress parses each request and calls `EngineReplica.call(route, body)`
+through a deployment handle, so the request router (which runs here, in the
+handle's owner) sees the body. What the handle raises becomes an OpenAI
+error: the callers' queue full -> 429 (or 503) with Retry-After; a replica
+that died before answering -> one retry on another replica, then 503; a
+replica that dies mid-stream -> an error event and `data: [DONE]`.
+Disconnecting clients cancel their call, and with it the engine request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.openai_api import Reply, error_reply
+
+logger = logging.getLogger("ray.serve")
+
+
+class IngressConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    api_key: str | None = Field(default=None, description="when set, /v1/* needs Authorization: Bearer <key>")
+    num_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=2048, ge=1, description="HTTP requests in flight per ingress replica")
+    overload_status: Literal[429, 503] = Field(default=429, description="status of requests turned away when queues are full")
+    retry_after_s: int = Field(default=1, ge=1, description="their Retry-After header")
+    metrics_max_age_s: float = Field(default=30.0, gt=0, description="replicas silent this long drop out of /metrics")
+
+
+def _replica_gone(e: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+class HandleBackend:
+    """`replicas.openai_api.Backend` over the engine deployment's handle."""
+
+    def __init__(self, handle, config: IngressConfig) -> None:
+        self.handle = handle.options(stream=True)
+        self.config = config
+
+    def _overloaded(self) -> Reply:
+        return error_reply(
+            self.config.overload_status,
+            "the server is at capacity; retry later",
+            "RateLimitError" if self.config.overload_status == 429 else "ServiceUnavailableError",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
+    async def _call(self, route: str, body: Any = None) -> Reply:
+        from ray.serve.exceptions import BackPressureError
+
+        for attempt in range(2):
+            gen = self.handle.call.remote(route, body)
+            try:
+                status, first = await gen.__anext__()
+            except BackPressureError:
+                return self._overloaded()
+            except Exception as e:
+                if _replica_gone(e) and attempt == 0:
+                    logger.warning("engine replica died before answering; retrying once: %s", e)
+                    continue
+                logger.exception("engine call failed")
+                return error_reply(503, f"no engine replica could serve the request: {type(e).__name__}", "ServiceUnavailableError")
+            if first is not None:
+                return Reply(status, first)
+            return Reply(status, stream=self._relay(gen))
+        raise AssertionError("unreachable")
+
+    async def _relay(self, gen) -> AsyncIterator[str]:
+        try:
+            async for lines in gen:
+                for line in lines:
+                    yield line
+        except Exception as e:  # the replica died mid-stream: end the stream properly
+            logger.warning("engine stream failed: %s", e)
+            err = error_reply(503, f"the engine replica failed mid-stream: {type(e).__name__}", "ServiceUnavailableError")
+            yield f"data: {json.dumps(err.body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            gen.cancel()  # no-op when finished; aborts the engine request when the client went away
+
+    async def completions(self, body: dict, raw_request=None) -> Reply:
+        return await self._call("completions", body)
+
+    async def chat_completions(self, body: dict, raw_request=None) -> Reply:
+        return await self._call("chat_completions", body)
+
+    async def list_models(self) -> Reply:
+        return await self._call("list_models")
+
+    async def check_health(self) -> None:
+        pass  # Serve health-checks and replaces the engine replicas itself
+
+    async def metrics(self) -> str:
+        from prometheus_client import REGISTRY, generate_latest
+
+        from replicas.metrics import merge_metrics, metrics_board
+
+        texts = await metrics_board().texts.remote(self.config.metrics_max_age_s)
+        return generate_latest(REGISTRY).decode() + merge_metrics(texts)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Ingress:
+    """Serve deployment class (`cluster/app.py` wraps it with `serve.ingress()`): builds the app at replica start."""
+
+    def __init__(self, engine, config: IngressConfig) -> None:
+        self.backend = HandleBackend(engine, config)
+        self.config = config
+
+    async def __serve_build_asgi_app__(self):
+        from replicas.http_app import build_http_app
+
+        async def start():
+            return self.backend
+
+        return build_http_app(start, api_key=self.config.api_key)

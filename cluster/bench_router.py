@@ -5,7 +5,7 @@ requests from the shipped workloads. Replicas are stand-ins for Serve's
 `RunningReplica` (which needs live actors) carrying the two things the
 router reads: an id and real `RoutingStats`, computed from a profiled-like
 cost model at random loads, refreshed every `refresh_every` decisions as
-Serve's polling would. In-flight accounting runs as in serving (each routed
+Serve's polling would (a new candidate list each time, as Serve hands the router). In-flight accounting runs as in serving (each routed
 request completes a few decisions later). Variants, timed in one run:
 
 - `ranked`: fresh stats on every replica (the normal path);
@@ -90,10 +90,9 @@ async def _time_variant(variant: str, n: int, decisions: int, refresh_every: int
     routed: deque = deque()
     times = np.empty(decisions)
     for i in range(decisions):
-        if variant == "ranked" and i % refresh_every == 0:
-            for r, s in zip(replicas, _fleet_stats(n, rng)):
-                s["timestamp"] = time.time()
-                r.routing_stats = s
+        if variant == "ranked" and i % refresh_every == 0:  # as Serve does: a new candidate list with the new stats
+            now = time.time()
+            replicas = [BenchReplica(r.replica_id, {**s, "timestamp": now}) for r, s in zip(replicas, _fleet_stats(n, rng))]
         request = PendingRequest(
             args=["completions", bodies[i % len(bodies)]],
             kwargs={},

@@ -36,29 +36,39 @@ ROUTER_NAME = "acceptance_headroom"
 
 
 class _FleetView:
-    """The candidates' stats as arrays (rebuilt only when a replica's stats or the candidate list change),
-    with the router's in-flight count per replica when each replica's stats were taken."""
+    """One candidate list's stats as arrays, built once per list: Serve hands the router a new list
+    whenever any replica's stats or the replica set change.
 
-    def __init__(self, candidates: list[RunningReplica], raws: list[dict], previous: "_FleetView | None", in_flight: dict) -> None:
-        self.key = (id(candidates), len(candidates))
+    `routed` follows the router's in-flight count per replica; `baseline` is that count when each
+    replica's stats were taken (kept across lists while a replica's stats timestamp is unchanged),
+    so `routed - baseline` is what the router added since the stats saw it.
+    """
+
+    def __init__(self, candidates: list[RunningReplica], previous: "_FleetView | None", in_flight: dict) -> None:
+        self.candidates = candidates
         self.ids = [r.replica_id for r in candidates]
-        self.raw_ids = [id(raw) for raw in raws]
+        self.position = {rid: i for i, rid in enumerate(self.ids)}
+        raws = [r.routing_stats for r in candidates]
+        self.arrays: FleetArrays | None = None
+        self.oldest = 0.0
+        self.stamps = [raw.get("timestamp") if raw else None for raw in raws]
+        self.routed = np.array([in_flight.get(rid, 0) for rid in self.ids], dtype=np.float64)
+        self.baseline = self.routed.copy()
+        if not all(raws):
+            return
         stats = [RoutingStats.model_validate(raw) for raw in raws]
         self.arrays = FleetArrays(stats)
         self.oldest = min(s.timestamp for s in stats)
-        before = {} if previous is None else dict(zip(previous.ids, zip(previous.raw_ids, previous.baseline)))
-        self.baseline = np.array(
-            [
-                before[rid][1] if rid in before and before[rid][0] == raw_id else in_flight.get(rid, 0)
-                for rid, raw_id in zip(self.ids, self.raw_ids)
-            ],
-            dtype=np.float64,
-        )
+        if previous is not None:
+            for i, (rid, stamp) in enumerate(zip(self.ids, self.stamps)):
+                j = previous.position.get(rid)
+                if j is not None and previous.stamps[j] == stamp:
+                    self.baseline[i] = previous.baseline[j]
 
-    def current(self, candidates: list[RunningReplica]) -> bool:
-        if self.key != (id(candidates), len(candidates)):
-            return False
-        return all(id(r.routing_stats) == raw_id and r.replica_id == rid for r, rid, raw_id in zip(candidates, self.ids, self.raw_ids))
+    def count(self, replica_id: ReplicaID, delta: int) -> None:
+        i = self.position.get(replica_id)
+        if i is not None:
+            self.routed[i] = max(self.routed[i] + delta, 0.0)
 
 
 class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
@@ -76,20 +86,18 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
 
     def _fleet(self, candidates: list[RunningReplica]) -> _FleetView | None:
         view = self._view
-        if view is None or not view.current(candidates):
-            raws = [r.routing_stats for r in candidates]
-            if not all(raws):
-                return None
-            view = self._view = _FleetView(candidates, raws, view, self.in_flight)
-        return view if time.time() - view.oldest <= self.stale_after_s else None
+        if view is None or view.candidates is not candidates:
+            view = self._view = _FleetView(candidates, view, self.in_flight)
+        if view.arrays is None or time.time() - view.oldest > self.stale_after_s:
+            return None
+        return view
 
     def rank(self, candidates: list[RunningReplica], body: dict | None) -> list[list[RunningReplica]]:
         view = self._fleet(candidates)
         if view is None:  # cold start or a silent replica: power of two choices, Serve picks the shorter queue
             self._fallbacks.inc()
             return [random.sample(candidates, min(2, len(candidates)))]
-        in_flight = self.in_flight
-        added = np.fromiter((in_flight.get(rid, 0) for rid in view.ids), dtype=np.float64, count=len(view.ids)) - view.baseline
+        added = view.routed - view.baseline
         relative = self.model.relative_acceptance(body) if body else 1.0
         slack = placement_slack(view.arrays, added, expected_tokens_per_step(view.arrays, relative))
         order = np.argsort(-slack, kind="stable")
@@ -119,10 +127,14 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self.in_flight[replica_id] += 1
+        if self._view is not None:
+            self._view.count(replica_id, 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.in_flight.get(replica_id, 0) > 0:
             self.in_flight[replica_id] -= 1
+            if self._view is not None:
+                self._view.count(replica_id, -1)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)  # Serve stops offering it as a candidate at once

@@ -113,6 +113,11 @@ def fleet(loads: list[int]):
     return [BenchReplica(ReplicaID(unique_id=f"r{i}", deployment_id=dep), stats(n).model_dump()) for i, n in enumerate(loads)]
 
 
+def updated(replicas, changes: dict[int, dict]):
+    """What Serve does when stats arrive: a new candidate list of new replica objects."""
+    return [BenchReplica(r.replica_id, changes.get(i, r.routing_stats)) for i, r in enumerate(replicas)]
+
+
 def pending(body=None):
     from ray.serve._private.common import RequestMetadata
     from ray.serve._private.request_router.common import PendingRequest
@@ -143,10 +148,13 @@ def test_router_in_flight_accounting_spreads_requests_between_stats_updates():
             chosen.append(pick.replica_id.unique_id)
         assert abs(chosen.count("r0") - chosen.count("r1")) <= 2
         # New stats for r0 (now showing the requests it got) reset its baseline: nothing is counted twice.
-        replicas[0].routing_stats = stats(20 + chosen.count("r0")).model_dump()
-        replicas[1].routing_stats = stats(20 + chosen.count("r1")).model_dump()
+        replicas = updated(replicas, {0: stats(20 + chosen.count("r0")).model_dump()})
+        view = router._fleet(replicas)
+        assert list(view.baseline) == [chosen.count("r0"), 0]  # r1's stats are the old ones: its additions still count
+        replicas = updated(replicas, {1: stats(20 + chosen.count("r1")).model_dump()})
         view = router._fleet(replicas)
         assert list(view.baseline) == [chosen.count("r0"), chosen.count("r1")]
+        assert list(view.routed - view.baseline) == [0, 0]
 
     asyncio.run(go())
 
@@ -157,9 +165,9 @@ def test_router_falls_back_to_two_choices_without_fresh_stats_and_forgets_dead_r
         replicas[2].routing_stats = {}
         ranks = await router.choose_replicas(replicas, pending())
         assert len(ranks) == 1 and len(ranks[0]) == 2
-        replicas[2].routing_stats = {**stats(10).model_dump(), "timestamp": time.time() - 3600}
+        replicas = updated(replicas, {2: {**stats(10).model_dump(), "timestamp": time.time() - 3600}})
         assert len((await router.choose_replicas(replicas, pending()))[0]) == 2
-        replicas[2].routing_stats = stats(10).model_dump()
+        replicas = updated(replicas, {2: stats(10).model_dump()})
         assert sum(len(r) for r in await router.choose_replicas(replicas, pending())) == 4
         router.on_request_routed(pending(), replicas[3].replica_id, None)
         router.on_replica_actor_died(replicas[3].replica_id)

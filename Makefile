@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 EXTRA  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: serve test install bench-planner clean
+.PHONY: serve test install bench-planner bench-router clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
@@ -34,6 +34,9 @@ test: $(STAMP)
 
 bench-planner: $(STAMP)
 	$(BIN)/forespark bench planner --json results/bench_planner.json
+
+bench-router: $(STAMP)
+	$(BIN)/forespark bench router --json results/bench_router.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache results

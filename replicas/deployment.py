@@ -173,10 +173,16 @@ class EngineReplica:
                 board = board or metrics_board()
                 board.post.remote(replica, replica_metrics_text(self._wcs, self._stats, self.aborted))
             except Exception:  # an engine that died is reported by check_health; keep the loop alive
-                logger.exception("refreshing routing stats failed")
+                if self.engine.engine.errored:
+                    logger.warning("engine is dead; routing stats not refreshed")
+                else:
+                    logger.exception("refreshing routing stats failed")
                 board = None
 
     def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.cancel()  # before the engine goes: the loop would report a dead engine
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

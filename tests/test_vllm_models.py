@@ -202,18 +202,20 @@ def test_sampled_verification_accepts_like_greedy_at_low_temperature(spec_llm):
 
 
 def test_without_the_plugins_expand_fix_sampled_drafts_are_rejected(spec_llm):
-    """Negative control: vLLM's CPU expand kernel garbles per-token temperatures."""
+    """Negative control: vLLM's CPU expand kernel garbles per-token temperatures (it leaves its output
+    unwritten, so how badly varies from run to run; compared with greedy acceptance in the same engine)."""
     from vllm.v1.sample import rejection_sampler
 
     from replicas import vllm_plugin
 
+    greedy = _position_one_acceptance(spec_llm, 0.0)
     patched = rejection_sampler.expand_batch_to_tokens
     rejection_sampler.expand_batch_to_tokens = vllm_plugin.ORIGINALS["rejection_sampler.expand_batch_to_tokens"]
     try:
         broken = _position_one_acceptance(spec_llm, 1e-3)
     finally:
         rejection_sampler.expand_batch_to_tokens = patched
-    assert broken < 0.05
+    assert broken < 0.25 * greedy
 
 
 SEEDED_CHUNKED = textwrap.dedent(

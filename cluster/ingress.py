@@ -46,6 +46,7 @@ class HandleBackend:
     def __init__(self, handle, config: IngressConfig) -> None:
         self.handle = handle.options(stream=True)
         self.config = config
+        self._board = None  # the metrics board's handle, found on the first scrape
 
     def _overloaded(self) -> Reply:
         return error_reply(
@@ -105,7 +106,12 @@ class HandleBackend:
 
         from replicas.metrics import merge_metrics, metrics_board
 
-        texts = await metrics_board().texts.remote(self.config.metrics_max_age_s)
+        try:
+            self._board = self._board or metrics_board()
+            texts = await self._board.texts.remote(self.config.metrics_max_age_s)
+        except Exception:  # the board went away (it is recreated by the next poster): this scrape has no replicas
+            logger.exception("reading the metrics board failed")
+            self._board, texts = None, {}
         return generate_latest(REGISTRY).decode() + merge_metrics(texts)
 
     def shutdown(self) -> None:

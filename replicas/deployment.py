@@ -169,9 +169,10 @@ class EngineReplica:
         while True:
             await asyncio.sleep(self.config.stats_period_s)
             try:
-                await self._refresh()
+                await asyncio.wait_for(self._refresh(), timeout=max(10.0, 5 * self.config.stats_period_s))
                 board = board or metrics_board()
-                board.post.remote(replica, replica_metrics_text(self._wcs, self._stats, self.aborted))
+                # Awaited, so that a board that went away is found again next period.
+                await asyncio.wait_for(board.post.remote(replica, replica_metrics_text(self._wcs, self._stats, self.aborted)), timeout=10.0)
             except Exception:  # an engine that died is reported by check_health; keep the loop alive
                 if self.engine.engine.errored:
                     logger.warning("engine is dead; routing stats not refreshed")

@@ -139,11 +139,25 @@ class MetricsBoard:
 
 
 def metrics_board():
-    """The cluster's board actor, created by whoever asks first."""
+    """The cluster's board actor, created by whoever asks first.
+
+    Detached: a named actor owned by the replica or ingress that happened to create it would die
+    with its owner's last handle, and every other poster would go on posting into a dead actor.
+    Stale texts age out on read; `remove_metrics_board` takes it down with the application.
+    """
     import ray
 
     return (
         ray.remote(num_cpus=0)(MetricsBoard)
-        .options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True)
+        .options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True, lifetime="detached")
         .remote()
     )
+
+
+def remove_metrics_board() -> None:
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE))
+    except ValueError:  # never created
+        pass

@@ -5,6 +5,9 @@
     forespark bench planner [--json P]   decision time of the WCS planner per engine step
     forespark bench engine [--json P]    every policy on one WCS vLLM engine, matched-rate throughput ratios
     forespark bench router [--json P]    decision time of the cluster router at 8..256 replicas
+    forespark loadtest --url U --rate R  Locust SLO load test at a request rate (JSON report + PNG)
+    forespark capacity --url U           highest request rate meeting the SLOs (doubling, then bisection)
+    forespark compare                    capacity per policy / router, each on a freshly started application
     forespark models build [--check]     train the embedded target + drafter from the standard library
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
@@ -130,9 +133,126 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if own_ray:
             serve.shutdown()
             ray.shutdown()
-        else:
-            serve.delete("forespark")  # stop only what this command started
+        else:  # stop only what this command started
+            from replicas.metrics import remove_metrics_board
+
+            serve.delete("forespark")
+            remove_metrics_board()
     return 0
+
+
+def _domain_weights(text: str) -> dict[str, float]:
+    try:
+        pairs = [item.split("=") if "=" in item else (item, "1") for item in text.split(",")]
+        return {name.strip(): float(weight) for name, weight in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected domain=weight,..., got {text!r}") from None
+
+
+def _load_config(args: argparse.Namespace, url: str, rate: float):
+    from loadtest.config import LoadTestConfig, Shape
+
+    shape = Shape(kind=args.shape, step_s=args.step_s, step_rate=args.step_rate, burst_at_s=args.burst_at_s,
+                  burst_s=args.burst_s, burst_rate=args.burst_rate)
+    return LoadTestConfig(
+        url=url.rstrip("/"), model=args.model, api_key=args.api_key, rate=rate, duration_s=args.duration,
+        drain_s=args.drain, arrivals=args.arrivals, shape=shape, domains=args.domains, max_tokens=args.max_tokens,
+        processes=args.processes, seed=args.seed, out_dir=Path(args.out),
+    )
+
+
+def _slo(args: argparse.Namespace):
+    from loadtest.config import SLOConfig
+
+    slo = SLOConfig.load(args.slo)
+    given = {k: v for k, v in (("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("e2e_ms", args.e2e_ms), ("attainment_target", args.target)) if v is not None}
+    return SLOConfig.model_validate({**slo.model_dump(), **given})
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from loadtest.run import format_report, run_loadtest
+
+    try:
+        config, slo = _load_config(args, args.url, args.rate), _slo(args)
+    except (ValueError, OSError) as e:
+        print(f"forespark loadtest: {e}", file=sys.stderr)
+        return 2
+    report = run_loadtest(config, slo)
+    print(format_report(report))
+    print(f"wrote {config.out_dir / 'report.json'}, {config.out_dir / 'report.png'} and the per-request rows (requests-*.csv)")
+    _write_json(args.json, report.model_dump(mode="json"))
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from loadtest.capacity import capacity, format_path, plot_capacity
+
+    try:
+        base, slo = _load_config(args, args.url, args.start_rate), _slo(args)
+    except (ValueError, OSError) as e:
+        print(f"forespark capacity: {e}", file=sys.stderr)
+        return 2
+    result = capacity(
+        base, slo, args.start_rate, args.bisect_steps,
+        on_probe=lambda p: print(f"{p.rate:.3g} req/s: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}", flush=True),
+    )
+    print(format_path(result))
+    plot_capacity({"server": result}, Path(args.out) / "capacity.png")
+    print(f"wrote {Path(args.out) / 'capacity.png'}")
+    _write_json(args.json or str(Path(args.out) / "capacity.json"), result.model_dump(mode="json"))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    import yaml
+
+    from loadtest.capacity import plot_capacity
+    from loadtest.compare import VARIANTS, compare, format_compare
+
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        print(f"forespark compare: unknown variants {unknown}; choose from {','.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    try:
+        from cluster.app import AppConfig
+
+        base_app = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
+        AppConfig.model_validate(base_app)  # a bad file fails here, before any server starts
+        base, slo = _load_config(args, f"http://127.0.0.1:{args.port}", args.start_rate), _slo(args)
+    except (ValueError, OSError) as e:
+        print(f"forespark compare: {e}", file=sys.stderr)
+        return 2
+    result = compare(base, slo, list(args.variants), base_app, args.port, args.start_rate, args.bisect_steps)
+    print(format_compare(result))
+    plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
+    print(f"wrote {Path(args.out) / 'compare.png'}")
+    _write_json(args.json or str(Path(args.out) / "compare.json"), result.model_dump(mode="json"))
+    return 0
+
+
+def _add_load_options(p: argparse.ArgumentParser, out: str, duration: float) -> None:
+    p.add_argument("--duration", type=float, default=duration, help=f"seconds of arrivals per load test (default {duration:g})")
+    p.add_argument("--drain", type=float, default=60.0, help="seconds requests in flight may run after the arrivals stop")
+    p.add_argument("--slo", metavar="PATH", help="SLO YAML (default loadtest/slo.yaml)")
+    p.add_argument("--ttft-ms", type=float, help="override the SLO file's TTFT threshold")
+    p.add_argument("--tpot-ms", type=float, help="override the SLO file's TPOT threshold")
+    p.add_argument("--e2e-ms", type=float, help="override the SLO file's E2E threshold")
+    p.add_argument("--target", type=float, help="override the SLO attainment target (0-1)")
+    p.add_argument("--model", default="forespark")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--domains", type=_domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
+    p.add_argument("--arrivals", choices=("poisson", "closed"), default="poisson", help="open-loop Poisson (default) or closed-loop users")
+    p.add_argument("--shape", choices=("constant", "step", "burst"), default="constant")
+    p.add_argument("--step-s", type=float, default=10.0, help="step shape: seconds per step")
+    p.add_argument("--step-rate", type=float, default=1.0, help="step shape: req/s added per step")
+    p.add_argument("--burst-at-s", type=float, default=10.0, help="burst shape: start of the burst")
+    p.add_argument("--burst-s", type=float, default=5.0, help="burst shape: its length")
+    p.add_argument("--burst-rate", type=float, default=0.0, help="burst shape: req/s during the burst")
+    p.add_argument("--processes", type=int, default=1, help="Locust worker processes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out, help=f"output folder (default {out})")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON result here")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -251,6 +371,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
     srv.add_argument("--router", choices=("acceptance_headroom", "pow2"), default=None, help="request router (default: acceptance_headroom)")
     srv.set_defaults(func=cmd_serve)
+
+    load = sub.add_parser("loadtest", help="Locust SLO load test at one request rate: JSON report and PNG plots")
+    load.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    load.add_argument("--rate", type=float, required=True, help="requests per second (Poisson arrivals)")
+    _add_load_options(load, "results/loadtest", 60.0)
+    load.set_defaults(func=cmd_loadtest)
+
+    cap = sub.add_parser("capacity", help="highest request rate meeting the SLOs: doubling, then bisection")
+    cap.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    cap.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
+    cap.add_argument("--bisect-steps", type=int, default=3)
+    _add_load_options(cap, "results/capacity", 30.0)
+    cap.set_defaults(func=cmd_capacity)
+
+    cmp_ = sub.add_parser("compare", help="capacity of each variant (policy x router), each on a freshly started application")
+    cmp_.add_argument("--variants", type=lambda t: tuple(v.strip() for v in t.split(",")), default=("wcs", "dspark", "ar", "wcs-pow2"),
+                      help="comma-separated: wcs, dspark, ar (router ours), wcs-pow2 (Serve's power-of-two router)")
+    cmp_.add_argument("--config", metavar="PATH", help="base application config (AppConfig YAML); variants set policy and router")
+    cmp_.add_argument("--port", type=int, default=8100)
+    cmp_.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
+    cmp_.add_argument("--bisect-steps", type=int, default=3)
+    _add_load_options(cmp_, "results/compare", 30.0)
+    cmp_.set_defaults(func=cmd_compare)
 
     demo = sub.add_parser("demo", help="offline planner demo on synthetic acceptances (no server)")
     demo.add_argument("--batches", type=_int_list, default=(8, 64, 512), help="comma-separated batch sizes")

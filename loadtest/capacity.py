@@ -1,0 +1,129 @@
+"""The highest request rate a server sustains within its SLOs, searched as `vllm bench sweep serve_sla` does.
+
+Open-loop Poisson load at a rate; a rate is sustainable when SLO attainment
+reaches the target. Double from `start_rate` until a rate fails (or halve
+until one passes), then bisect between the highest pass and the lowest fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.report import LoadTestReport
+from loadtest.run import run_loadtest
+
+
+class Probe(BaseModel):
+    rate: float
+    attainment: float
+    goodput_rps: float
+    requests: int
+    sustainable: bool
+
+
+class CapacityResult(BaseModel):
+    max_rate: float  # 0 when not even the lowest probed rate is sustainable
+    slo: SLOConfig
+    path: list[Probe]
+
+
+def search(
+    measure: Callable[[float], LoadTestReport],
+    slo: SLOConfig,
+    start_rate: float = 1.0,
+    bisect_steps: int = 3,
+    max_doublings: int = 8,
+    min_rate: float = 0.05,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> CapacityResult:
+    """`measure(rate)` runs one load test at `rate`; the search is independent of how."""
+    path: list[Probe] = []
+
+    def probe(rate: float) -> bool:
+        report = measure(rate)
+        p = Probe(rate=rate, attainment=report.attainment, goodput_rps=report.goodput_rps, requests=report.requests, sustainable=report.sustainable)
+        path.append(p)
+        if on_probe:
+            on_probe(p)
+        return p.sustainable
+
+    lo, hi = 0.0, None
+    rate = start_rate
+    if probe(rate):
+        lo = rate
+        for _ in range(max_doublings):
+            rate *= 2
+            if not probe(rate):
+                hi = rate
+                break
+            lo = rate
+        else:
+            return CapacityResult(max_rate=lo, slo=slo, path=path)
+    else:
+        hi = rate
+        while rate / 2 >= min_rate:
+            rate /= 2
+            if probe(rate):
+                lo = rate
+                break
+            hi = rate
+        if lo == 0.0:
+            return CapacityResult(max_rate=0.0, slo=slo, path=path)
+    for _ in range(bisect_steps):
+        mid = (lo + hi) / 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return CapacityResult(max_rate=lo, slo=slo, path=path)
+
+
+def capacity(
+    base: LoadTestConfig, slo: SLOConfig, start_rate: float, bisect_steps: int = 3, on_probe=None, progress: bool = True
+) -> CapacityResult:
+    """The search with real load tests: each probe runs `base` at its rate, in `out_dir/rate-<r>`."""
+
+    def measure(rate: float) -> LoadTestReport:
+        config = base.model_copy(update={"rate": rate, "out_dir": Path(base.out_dir) / f"rate-{rate:.4g}"})
+        return run_loadtest(config, slo, progress=progress, plots=False)
+
+    return search(measure, slo, start_rate=start_rate, bisect_steps=bisect_steps, on_probe=on_probe)
+
+
+def format_path(result: CapacityResult) -> str:
+    lines = [f"{'rate':>8} {'attain':>7} {'goodput':>8} {'reqs':>5}  verdict"]
+    for p in result.path:
+        lines.append(f"{p.rate:>8.3g} {p.attainment:>7.1%} {p.goodput_rps:>8.2f} {p.requests:>5}  {'pass' if p.sustainable else 'FAIL'}")
+    lines.append(f"max sustainable rate: {result.max_rate:.3g} req/s (attainment >= {result.slo.attainment_target:.0%})")
+    return "\n".join(lines)
+
+
+def plot_capacity(results: dict[str, CapacityResult], path: Path) -> None:
+    """Attainment and goodput against rate, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, g) = plt.subplots(1, 2, figsize=(12, 4))
+    for name, result in results.items():
+        probes = sorted(result.path, key=lambda p: p.rate)
+        rates = [p.rate for p in probes]
+        a.plot(rates, [p.attainment for p in probes], marker="o", label=f"{name} (max {result.max_rate:.3g})")
+        g.plot(rates, [p.goodput_rps for p in probes], marker="o", label=name)
+    target = next(iter(results.values())).slo.attainment_target if results else 0.9
+    a.axhline(target, color="red", linestyle="--", label="target")
+    a.set_xlabel("request rate (req/s)")
+    a.set_ylabel("SLO attainment")
+    g.set_xlabel("request rate (req/s)")
+    g.set_ylabel("goodput (req/s meeting every SLO)")
+    for ax in (a, g):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

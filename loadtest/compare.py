@@ -1,0 +1,150 @@
+"""Side by side: the same capacity search against the application started once per variant, back to back.
+
+Each variant is `forespark serve` with one speculation policy and one router
+on the same machine and port, started fresh (a clean engine and cache),
+searched, and stopped before the next starts. The result is the ratio of
+sustainable request rates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from pydantic import BaseModel
+
+from loadtest.capacity import CapacityResult, capacity
+from loadtest.config import LoadTestConfig, SLOConfig
+
+
+class Variant(BaseModel):
+    name: str
+    policy: str
+    router: str
+
+
+VARIANTS = {
+    "wcs": Variant(name="wcs", policy="wcs", router="acceptance_headroom"),
+    "dspark": Variant(name="dspark", policy="dspark", router="acceptance_headroom"),
+    "ar": Variant(name="ar", policy="ar", router="acceptance_headroom"),
+    "wcs-pow2": Variant(name="wcs-pow2", policy="wcs", router="pow2"),
+}
+RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "router_vs_pow2": ("wcs", "wcs-pow2")}
+
+
+class VariantResult(BaseModel):
+    policy: str
+    router: str
+    max_rate: float
+    capacity: CapacityResult
+
+
+class CompareResult(BaseModel):
+    slo: SLOConfig
+    variants: dict[str, VariantResult]
+    ratios: dict[str, float | None]
+
+
+def variant_app_config(base: dict[str, Any], variant: Variant) -> dict[str, Any]:
+    """`base` (an AppConfig as a dict) with the variant's policy and router."""
+    config = yaml.safe_load(yaml.safe_dump(base or {}))
+    engine = config.setdefault("replica", {}).setdefault("engine", {})
+    engine.setdefault("wcs", {})["policy"] = variant.policy
+    config.setdefault("router", {})["kind"] = variant.router
+    return config
+
+
+class ServerProcess:
+    """`forespark serve` in its own process group; ready when `/v1/models` answers; SIGTERM on exit."""
+
+    def __init__(self, app_config: dict, port: int, work_dir: Path, start_timeout_s: float = 900.0) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.config_path = work_dir / "app.yaml"
+        self.config_path.write_text(yaml.safe_dump(app_config))
+        self.log_path = work_dir / "server.log"
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        repo_root = str(Path(__file__).resolve().parent.parent)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path), "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"the server was not ready within {self.start_timeout_s:.0f} s; see {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def ratio(variants: dict[str, VariantResult], a: str, b: str) -> float | None:
+    if a not in variants or b not in variants or variants[b].max_rate <= 0:
+        return None
+    return variants[a].max_rate / variants[b].max_rate
+
+
+def compare(
+    base_load: LoadTestConfig,
+    slo: SLOConfig,
+    variants: list[str],
+    base_app: dict[str, Any],
+    port: int,
+    start_rate: float,
+    bisect_steps: int = 3,
+    log: Callable[[str], None] = print,
+) -> CompareResult:
+    results: dict[str, VariantResult] = {}
+    for name in variants:
+        variant = VARIANTS[name]
+        work = Path(base_load.out_dir) / name
+        work.mkdir(parents=True, exist_ok=True)
+        log(f"== {name}: policy {variant.policy}, router {variant.router}; starting the server")
+        with ServerProcess(variant_app_config(base_app, variant), port, work) as server:
+            load = base_load.model_copy(update={"url": server.url, "out_dir": work})
+            found = capacity(
+                load, slo, start_rate, bisect_steps,
+                on_probe=lambda p: log(f"   {p.rate:.3g} req/s: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}"),
+            )
+        log(f"   {name}: max sustainable rate {found.max_rate:.3g} req/s")
+        results[name] = VariantResult(policy=variant.policy, router=variant.router, max_rate=found.max_rate, capacity=found)
+    ratios = {key: ratio(results, a, b) for key, (a, b) in RATIOS.items()}
+    return CompareResult(slo=slo, variants=results, ratios=ratios)
+
+
+def format_compare(result: CompareResult) -> str:
+    lines = [f"{'variant':>10} {'policy':>7} {'router':>20} {'max rate':>9}"]
+    for name, v in result.variants.items():
+        lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>9.3g}")
+    for key, value in result.ratios.items():
+        lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'}")
+    return "\n".join(lines)

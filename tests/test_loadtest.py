@@ -1,0 +1,141 @@
+"""Load tests: the capacity search on a known threshold, and real Locust runs against a real `forespark serve`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from scipy import stats
+
+from loadtest.capacity import search
+from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.report import LoadTestReport, build_report, read_rows
+
+
+def _fake_measure(capacity: float, calls: list[float]):
+    """A measurement whose outcome is known: sustainable exactly up to `capacity` (not a server; tests the search only)."""
+
+    def measure(rate: float) -> LoadTestReport:
+        calls.append(rate)
+        return LoadTestReport.model_construct(attainment=1.0 if rate <= capacity else 0.5, goodput_rps=rate, requests=10, sustainable=rate <= capacity)
+
+    return measure
+
+
+@pytest.mark.parametrize("capacity", [0.3, 5.3, 1000.0])
+def test_capacity_search_doubles_then_bisects_to_the_threshold(capacity):
+    calls: list[float] = []
+    result = search(_fake_measure(capacity, calls), SLOConfig(), start_rate=1.0, bisect_steps=4, max_doublings=6)
+    assert result.max_rate <= capacity
+    if capacity < 64:
+        passes = [r for r in calls if r <= capacity]
+        fails = [r for r in calls if r > capacity]
+        assert min(fails) - max(passes) <= max(passes) / 2 ** 4 + 1e-9  # bisection narrowed the bracket
+        assert result.max_rate == max(passes)
+    else:  # never failed: stops at the last doubling
+        assert result.max_rate == 64.0 and calls == [1, 2, 4, 8, 16, 32, 64]
+    assert [p.rate for p in result.path] == calls
+
+
+def test_capacity_search_reports_zero_when_nothing_passes():
+    calls: list[float] = []
+    result = search(_fake_measure(0.0, calls), SLOConfig(), start_rate=1.0, min_rate=0.1)
+    assert result.max_rate == 0.0 and all(not p.sustainable for p in result.path) and min(calls) >= 0.1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real `forespark serve`: two engine replicas, real Ray Serve, real HTTP."""
+    from loadtest.compare import ServerProcess
+
+    work = tmp_path_factory.mktemp("server")
+    app = {"replica": {"num_replicas": 2, "num_cpus": 0.5, "served_model_name": "forespark"}}
+    with ServerProcess(app, _free_port(), work) as srv:
+        yield srv
+
+
+def _successes(url: str) -> float:
+    """The server's own count of completed requests: vLLM's request_success counter (finished by stop or
+    length, not abort) summed over the replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") in ("stop", "length")
+    )
+
+
+def _settled_successes(url: str) -> float:
+    """Replicas post their metrics every stats period: read until two reads a period apart agree."""
+    last = _successes(url)
+    for _ in range(10):
+        time.sleep(2.5)
+        now = _successes(url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _inter_arrivals(rows) -> np.ndarray:
+    return np.diff(np.sort([r.start_s for r in rows]))
+
+
+def test_a_real_locust_run_agrees_with_the_server_and_paces_poisson_arrivals(server, tmp_path):
+    """`forespark loadtest` (Locust in 2 processes) against the real server, with an impossibly tight SLO."""
+    rate, duration = 6.0, 25.0
+    before = _settled_successes(server.url)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "loadtest", "--url", server.url, "--rate", str(rate), "--duration", str(duration),
+         "--max-tokens", "4", "--processes", "2", "--ttft-ms", "0.001", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "report.png").stat().st_size > 10_000
+    rows = read_rows(out)
+    assert len(list(out.glob("requests-*.csv"))) == 2  # both Locust worker processes sent requests
+    assert report["requests"] == len(rows) and abs(len(rows) - rate * duration) < 4 * np.sqrt(rate * duration)
+
+    # The server's own counter agrees with the client's rows (all requests drained before Locust exited).
+    ok = [r for r in rows if r.ok]
+    assert len(ok) >= 0.95 * len(rows)
+    assert _settled_successes(server.url) - before == len(ok)
+    assert all(r.ttft_ms <= r.e2e_ms and r.first_token_s <= r.end_s and r.output_tokens == 4 for r in ok)
+
+    # Impossibly tight TTFT: nobody meets it. The same rows against loose SLOs: everybody does.
+    assert report["attainment"] == 0.0 and report["sustainable"] is False and report["goodput_rps"] == 0.0
+    loose = build_report(rows, SLOConfig(ttft_ms=1e9, tpot_ms=1e9, e2e_ms=1e9), rate, duration)
+    assert loose.attainment == len(ok) / len(rows) and loose.met_slo == len(ok)
+
+    # Open-loop Poisson pacing: the inter-arrival times fit Exp(rate).
+    gaps = _inter_arrivals(rows)
+    assert stats.kstest(gaps, "expon", args=(0, 1 / rate)).pvalue > 0.01
+
+
+def test_a_closed_loop_run_at_the_same_mean_rate_is_not_poisson(server, tmp_path):
+    """Negative control for the pacing test: Locust's classic closed loop (constant_throughput users)."""
+    from loadtest.run import run_locust
+
+    rate, duration = 6.0, 20.0
+    config = LoadTestConfig(url=server.url, rate=rate, duration_s=duration, arrivals="closed", users=2, max_tokens=4, out_dir=tmp_path)
+    rows = run_locust(config, progress=False)
+    assert len(rows) > 0.7 * rate * duration
+    assert stats.kstest(_inter_arrivals(rows), "expon", args=(0, 1 / rate)).pvalue < 0.01

@@ -19,7 +19,7 @@ class LoadTestError(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -31,7 +31,7 @@ def locust_command(config: LoadTestConfig) -> list[str]:
         "--loglevel", "WARNING", "--only-summary", "--stop-timeout", str(int(config.drain_s) + 5),
     ]
     if config.processes > 1:
-        port = _free_port()  # master and workers must agree on the port (DESIGN.md section 5)
+        port = free_port()  # master and workers must agree on the port (DESIGN.md section 5)
         cmd += ["--processes", str(config.processes), "--master-port", str(port), "--master-bind-port", str(port)]
     return cmd
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from scipy import stats
 from loadtest.capacity import search
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport, build_report, read_rows
+from loadtest.run import free_port
 
 
 def _fake_measure(capacity: float, calls: list[float]):
@@ -50,12 +50,6 @@ def test_capacity_search_reports_zero_when_nothing_passes():
     assert result.max_rate == 0.0 and all(not p.sustainable for p in result.path) and min(calls) >= 0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real `forespark serve`: two engine replicas, real Ray Serve, real HTTP."""
@@ -63,7 +57,7 @@ def server(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("server")
     app = {"replica": {"num_replicas": 2, "num_cpus": 0.5, "served_model_name": "forespark"}}
-    with ServerProcess(app, _free_port(), work) as srv:
+    with ServerProcess(app, free_port(), work) as srv:
         yield srv
 
 

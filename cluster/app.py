@@ -53,16 +53,23 @@ class AppConfig(BaseModel):
 def engine_deployment_options(config: ReplicaConfig) -> dict[str, Any]:
     """Resources of one engine replica: CPUs, or GPUs as one placement-group bundle per tensor-parallel rank."""
     tp = config.engine.tensor_parallel_size
+    extra = {"resources": dict(config.resources)} if config.resources else {}
     if config.accelerator == "cpu":
-        return {"ray_actor_options": {"num_cpus": config.num_cpus}}
+        return {"ray_actor_options": {"num_cpus": config.num_cpus, **extra}}
     if tp == 1:
-        return {"ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": 1}}
+        return {"ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": 1, **extra}}
     # The replica actor takes only CPU; vLLM's Ray executor places one worker per GPU bundle.
     return {
-        "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": 0},
-        "placement_group_bundles": [{"CPU": config.num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1),
+        "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": 0, **extra},
+        "placement_group_bundles": [{"CPU": config.num_cpus, "GPU": 1, **config.resources}] + [{"GPU": 1}] * (tp - 1),
         "placement_group_strategy": "STRICT_PACK",
     }
+
+
+def replica_count_options(config: ReplicaConfig) -> dict[str, Any]:
+    if config.autoscaling is None:
+        return {"num_replicas": config.num_replicas}
+    return {"autoscaling_config": config.autoscaling.model_dump()}
 
 
 def build_app(config: AppConfig):
@@ -71,7 +78,7 @@ def build_app(config: AppConfig):
     rc = config.replica
     engine = serve.deployment(EngineReplica).options(
         name="EngineReplica",
-        num_replicas=rc.num_replicas,
+        **replica_count_options(rc),
         max_ongoing_requests=rc.max_ongoing_requests,
         max_queued_requests=rc.max_queued_requests,
         request_router_config=config.router.request_router_config(rc.stats_period_s),

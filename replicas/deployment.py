@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.engine import EngineConfig, cpu_engine_environment
 from replicas.metrics import LatestSchedulerStats, metrics_board, replica_metrics_text
@@ -28,6 +28,22 @@ from replicas.routing_stats import RoutingStats, StepMix, routing_stats, step_mi
 logger = logging.getLogger("ray.serve")
 
 ROUTES = ("completions", "chat_completions", "list_models")
+
+
+class AutoscalingBounds(BaseModel):
+    """Serve autoscaling of the engine replicas (replaces `num_replicas` when set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_ongoing_requests: float = Field(default=32.0, gt=0, description="requests in flight per replica Serve aims for")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingBounds":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
 
 
 class ReplicaConfig(BaseModel):
@@ -40,6 +56,8 @@ class ReplicaConfig(BaseModel):
     accelerator: Literal["cpu", "gpu"] = Field(
         default="cpu", description="gpu: one GPU per tensor-parallel rank, placed as one placement-group bundle each"
     )
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica (pins replicas to node types)")
+    autoscaling: AutoscalingBounds | None = Field(default=None, description="Serve autoscaling bounds; None: num_replicas fixed")
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests in flight per replica")
     max_queued_requests: int = Field(default=256, ge=1, description="requests waiting at each caller beyond those")
     tpot_slo_ms: float = Field(

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from replicas.models.build import WEIGHTS_DIR
 from replicas.wcs.config import WORKER_CLS, WCSConfig
@@ -24,12 +24,16 @@ def cpu_engine_environment() -> None:
 
 
 class DrafterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     path: Path = WEIGHTS_DIR / "drafter"
     method: str = "dflash"
     num_speculative_tokens: int = Field(default=8, ge=1, description="widest draft (the drafter's block)")
 
 
 class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: Path = WEIGHTS_DIR / "target"
     drafter: DrafterConfig | None = Field(default_factory=DrafterConfig)
     dtype: str = "float32"

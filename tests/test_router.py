@@ -216,3 +216,21 @@ def test_gpu_tensor_parallel_replicas_get_one_bundle_per_gpu():
     one = engine_deployment_options(ReplicaConfig(accelerator="gpu"))
     assert one == {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 1}}
     assert ReplicaConfig().replica_engine().distributed_executor_backend is None
+
+
+def test_custom_resources_and_autoscaling_reach_the_deployment_options():
+    """A config check (no GPUs here): resources pin replicas (also inside a TP placement group); autoscaling replaces num_replicas."""
+    from ray.serve.schema import DeploymentSchema
+
+    from cluster.app import engine_deployment_options, replica_count_options
+    from replicas.deployment import AutoscalingBounds, ReplicaConfig
+    from replicas.engine import EngineConfig
+
+    pinned = ReplicaConfig(resources={"forespark_engine_node": 1}, autoscaling=AutoscalingBounds(min_replicas=1, max_replicas=3))
+    options = {**engine_deployment_options(pinned), **replica_count_options(pinned)}
+    assert options["ray_actor_options"]["resources"] == {"forespark_engine_node": 1}
+    assert "num_replicas" not in options and options["autoscaling_config"]["max_replicas"] == 3
+    DeploymentSchema(name="EngineReplica", **options)
+    tp = ReplicaConfig(accelerator="gpu", engine=EngineConfig(tensor_parallel_size=2), resources={"h200": 1})
+    assert engine_deployment_options(tp)["placement_group_bundles"][0] == {"CPU": 1.0, "GPU": 1, "h200": 1}
+    assert replica_count_options(ReplicaConfig(num_replicas=3)) == {"num_replicas": 3}

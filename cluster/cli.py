@@ -8,6 +8,7 @@
     forespark loadtest --url U --rate R  Locust SLO load test at a request rate (JSON report + PNG)
     forespark capacity --url U           highest request rate meeting the SLOs (doubling, then bisection)
     forespark compare                    capacity per policy / router, each on a freshly started application
+    forespark manifests check [PATH...]  validate the ray up, Serve and KubeRay manifests offline
     forespark models build [--check]     train the embedded target + drafter from the standard library
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
@@ -255,6 +256,22 @@ def _add_load_options(p: argparse.ArgumentParser, out: str, duration: float) -> 
     p.add_argument("--json", metavar="PATH", help="also write the JSON result here")
 
 
+def cmd_manifests_check(args: argparse.Namespace) -> int:
+    from cluster.manifests import ManifestError, check_file, shipped_manifests
+
+    paths = [Path(p) for p in args.paths] or shipped_manifests()
+    failed = 0
+    for path in paths:
+        try:
+            kind = check_file(path)
+            print(f"ok    {path} ({kind})")
+        except ManifestError as e:
+            failed += 1
+            print(f"FAIL  {path}: {e}")
+    print(f"{len(paths) - failed} of {len(paths)} manifests valid")
+    return 1 if failed else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from scheduling.policies import PolicyName
     from scheduling.simulate import format_outcomes, simulate
@@ -394,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--bisect-steps", type=int, default=3)
     _add_load_options(cmp_, "results/compare", 30.0)
     cmp_.set_defaults(func=cmd_compare)
+
+    manifests = sub.add_parser("manifests", help="the shipped ray up, Serve and KubeRay manifests")
+    manifests_sub = manifests.add_subparsers(dest="manifests", required=True)
+    mcheck = manifests_sub.add_parser("check", help="validate manifests offline (default: every manifests/*.yaml); exit 1 on any problem")
+    mcheck.add_argument("paths", nargs="*", help="manifest files (default: the shipped ones)")
+    mcheck.set_defaults(func=cmd_manifests_check)
 
     demo = sub.add_parser("demo", help="offline planner demo on synthetic acceptances (no server)")
     demo.add_argument("--batches", type=_int_list, default=(8, 64, 512), help="comma-separated batch sizes")

@@ -170,14 +170,21 @@ def _slo(args: argparse.Namespace):
     return SLOConfig.model_validate({**slo.model_dump(), **given})
 
 
+def _load_inputs(args: argparse.Namespace, url: str, rate: float):
+    """The load-test config and the SLOs, or None after saying why (the command then exits 2)."""
+    try:
+        return _load_config(args, url, rate), _slo(args)
+    except (ValueError, OSError) as e:
+        print(f"forespark {args.command}: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     from loadtest.run import format_report, run_loadtest
 
-    try:
-        config, slo = _load_config(args, args.url, args.rate), _slo(args)
-    except (ValueError, OSError) as e:
-        print(f"forespark loadtest: {e}", file=sys.stderr)
+    if (inputs := _load_inputs(args, args.url, args.rate)) is None:
         return 2
+    config, slo = inputs
     report = run_loadtest(config, slo)
     print(format_report(report))
     print(f"wrote {config.out_dir / 'report.json'}, {config.out_dir / 'report.png'} and the per-request rows (requests-*.csv)")
@@ -186,17 +193,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from loadtest.capacity import capacity, format_path, plot_capacity
+    from loadtest.capacity import capacity, format_path, format_probe, plot_capacity
 
-    try:
-        base, slo = _load_config(args, args.url, args.start_rate), _slo(args)
-    except (ValueError, OSError) as e:
-        print(f"forespark capacity: {e}", file=sys.stderr)
+    if (inputs := _load_inputs(args, args.url, args.start_rate)) is None:
         return 2
-    result = capacity(
-        base, slo, args.start_rate, args.bisect_steps,
-        on_probe=lambda p: print(f"{p.rate:.3g} req/s: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}", flush=True),
-    )
+    base, slo = inputs
+    result = capacity(base, slo, args.start_rate, args.bisect_steps, on_probe=lambda p: print(format_probe(p), flush=True))
     print(format_path(result))
     plot_capacity({"server": result}, Path(args.out) / "capacity.png")
     print(f"wrote {Path(args.out) / 'capacity.png'}")
@@ -219,10 +221,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         base_app = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
         AppConfig.model_validate(base_app)  # a bad file fails here, before any server starts
-        base, slo = _load_config(args, f"http://127.0.0.1:{args.port}", args.start_rate), _slo(args)
     except (ValueError, OSError) as e:
         print(f"forespark compare: {e}", file=sys.stderr)
         return 2
+    if (inputs := _load_inputs(args, f"http://127.0.0.1:{args.port}", args.start_rate)) is None:
+        return 2
+    base, slo = inputs
     result = compare(base, slo, list(args.variants), base_app, args.port, args.start_rate, args.bisect_steps)
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")

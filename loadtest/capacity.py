@@ -94,6 +94,10 @@ def capacity(
     return search(measure, slo, start_rate=start_rate, bisect_steps=bisect_steps, on_probe=on_probe)
 
 
+def format_probe(p: Probe) -> str:
+    return f"{p.rate:.3g} req/s: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}"
+
+
 def format_path(result: CapacityResult) -> str:
     lines = [f"{'rate':>8} {'attain':>7} {'goodput':>8} {'reqs':>5}  verdict"]
     for p in result.path:

@@ -21,7 +21,7 @@ import httpx
 import yaml
 from pydantic import BaseModel
 
-from loadtest.capacity import CapacityResult, capacity
+from loadtest.capacity import CapacityResult, capacity, format_probe
 from loadtest.config import LoadTestConfig, SLOConfig
 
 
@@ -133,7 +133,7 @@ def compare(
             load = base_load.model_copy(update={"url": server.url, "out_dir": work})
             found = capacity(
                 load, slo, start_rate, bisect_steps,
-                on_probe=lambda p: log(f"   {p.rate:.3g} req/s: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}"),
+                on_probe=lambda p: log("   " + format_probe(p)),
             )
         log(f"   {name}: max sustainable rate {found.max_rate:.3g} req/s")
         results[name] = VariantResult(policy=variant.policy, router=variant.router, max_rate=found.max_rate, capacity=found)

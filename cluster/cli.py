@@ -21,6 +21,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.app import AppConfig
 
 
 def _policy_list(text: str) -> tuple[str, ...]:
@@ -68,7 +72,7 @@ def _default_replicas() -> int:
     return max(2, (os.cpu_count() or 2) // 2)
 
 
-def load_app_config(path: str | None, overrides: dict[str, dict]) -> "AppConfig":
+def load_app_config(path: str | None, overrides: dict[str, dict]) -> AppConfig:
     """The application config from a YAML/JSON file, with command-line values (where given) on top."""
     import yaml
 

@@ -231,7 +231,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if (inputs := _load_inputs(args, f"http://127.0.0.1:{args.port}", args.start_rate)) is None:
         return 2
     base, slo = inputs
-    result = compare(base, slo, list(args.variants), base_app, args.port, args.start_rate, args.bisect_steps)
+    result = compare(base, slo, list(args.variants), base_app, args.port, args.start_rate, args.bisect_steps, args.repeats)
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
     print(f"wrote {Path(args.out) / 'compare.png'}")
@@ -417,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--port", type=int, default=8100)
     cmp_.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
     cmp_.add_argument("--bisect-steps", type=int, default=3)
+    cmp_.add_argument("--repeats", type=int, default=1, help="rounds over all variants; rates are medians over rounds")
     _add_load_options(cmp_, "results/compare", 30.0)
     cmp_.set_defaults(func=cmd_compare)
 

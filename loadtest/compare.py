@@ -2,8 +2,9 @@
 
 Each variant is `forespark serve` with one speculation policy and one router
 on the same machine and port, started fresh (a clean engine and cache),
-searched, and stopped before the next starts. The result is the ratio of
-sustainable request rates.
+searched, and stopped before the next starts; with repeats, every variant is
+searched once per round and its rate is the median over rounds. The result is
+the ratio of median sustainable request rates.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import yaml
 from pydantic import BaseModel
 
@@ -43,8 +45,9 @@ RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "route
 class VariantResult(BaseModel):
     policy: str
     router: str
-    max_rate: float
-    capacity: CapacityResult
+    max_rate: float  # median over the repeats
+    max_rates: list[float]  # one per repeat
+    capacity: CapacityResult  # the last repeat's search
 
 
 class CompareResult(BaseModel):
@@ -121,30 +124,38 @@ def compare(
     port: int,
     start_rate: float,
     bisect_steps: int = 3,
+    repeats: int = 1,
     log: Callable[[str], None] = print,
 ) -> CompareResult:
-    results: dict[str, VariantResult] = {}
-    for name in variants:
-        variant = VARIANTS[name]
-        work = Path(base_load.out_dir) / name
-        work.mkdir(parents=True, exist_ok=True)
-        log(f"== {name}: policy {variant.policy}, router {variant.router}; starting the server")
-        with ServerProcess(variant_app_config(base_app, variant), port, work) as server:
-            load = base_load.model_copy(update={"url": server.url, "out_dir": work})
-            found = capacity(
-                load, slo, start_rate, bisect_steps,
-                on_probe=lambda p: log("   " + format_probe(p)),
-            )
-        log(f"   {name}: max sustainable rate {found.max_rate:.3g} req/s")
-        results[name] = VariantResult(policy=variant.policy, router=variant.router, max_rate=found.max_rate, capacity=found)
+    """Each repeat searches every variant once, in turn; a variant's rate is the median over repeats."""
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    last: dict[str, CapacityResult] = {}
+    for rep in range(repeats):
+        for name in variants:
+            variant = VARIANTS[name]
+            work = Path(base_load.out_dir) / name / f"repeat-{rep}"
+            work.mkdir(parents=True, exist_ok=True)
+            log(f"== {name} (repeat {rep + 1}/{repeats}): policy {variant.policy}, router {variant.router}; starting the server")
+            with ServerProcess(variant_app_config(base_app, variant), port, work) as server:
+                load = base_load.model_copy(update={"url": server.url, "out_dir": work})
+                last[name] = capacity(load, slo, start_rate, bisect_steps, on_probe=lambda p: log("   " + format_probe(p)))
+            rates[name].append(last[name].max_rate)
+            log(f"   {name}: max sustainable rate {last[name].max_rate:.3g} req/s")
+    results = {
+        name: VariantResult(
+            policy=VARIANTS[name].policy, router=VARIANTS[name].router,
+            max_rate=float(np.median(rates[name])), max_rates=rates[name], capacity=last[name],
+        )
+        for name in variants
+    }
     ratios = {key: ratio(results, a, b) for key, (a, b) in RATIOS.items()}
     return CompareResult(slo=slo, variants=results, ratios=ratios)
 
 
 def format_compare(result: CompareResult) -> str:
-    lines = [f"{'variant':>10} {'policy':>7} {'router':>20} {'max rate':>9}"]
+    lines = [f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11}  repeats"]
     for name, v in result.variants.items():
-        lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>9.3g}")
+        lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g}  {', '.join(f'{r:.3g}' for r in v.max_rates)}")
     for key, value in result.ratios.items():
         lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'}")
     return "\n".join(lines)

@@ -216,6 +216,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from loadtest.capacity import plot_capacity
     from loadtest.compare import VARIANTS, compare, format_compare
 
+    if args.repeats < 1:
+        print("forespark compare: --repeats must be >= 1", file=sys.stderr)
+        return 2
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         print(f"forespark compare: unknown variants {unknown}; choose from {','.join(VARIANTS)}", file=sys.stderr)

@@ -53,13 +53,6 @@ class Shape(BaseModel):
             return self.burst_rate
         return base
 
-    def peak(self, base: float, duration_s: float) -> float:
-        if self.kind == "step":
-            return self.rate_at(base, max(duration_s - 1e-9, 0.0))
-        if self.kind == "burst":
-            return max(base, self.burst_rate)
-        return base
-
 
 class LoadTestConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -162,15 +162,17 @@ class EngineReplica:
         engine = self.engine
         before, accept_len = self._wcs, 1.0
         if engine.has_wcs:
-            self._wcs = (await engine.engine.collective_rpc("wcs_stats"))[0]
+            self._wcs = await engine.wcs_stats()
             accept_len = (await engine.engine.collective_rpc("wcs_batch_acceptance"))[0]
             # An idle period says nothing about the mix: keep the last one measured.
             self._mix = step_mix(self._wcs, before) or self._mix
+        # The engine's own count is current; the scheduler's is as of the last step (stale when idle).
+        unfinished = engine.engine.get_num_unfinished_requests()
+        waiting = self.scheduler.waiting if unfinished else 0
         self._stats = routing_stats(
             cost=engine.cost,
-            # The engine's own count is current; the scheduler's is as of the last step (stale when idle).
-            running=max(0, engine.engine.get_num_unfinished_requests() - self.scheduler.waiting),
-            waiting=self.scheduler.waiting if engine.engine.get_num_unfinished_requests() else 0,
+            running=max(0, unfinished - waiting),
+            waiting=waiting,
             kv_usage=self.scheduler.kv_usage,
             max_num_seqs=engine.config.max_num_seqs,
             token_budget=engine.engine.vllm_config.scheduler_config.max_num_batched_tokens,

@@ -37,7 +37,6 @@ class RoutingStats(BaseModel):
     token_ms: float | None = None  # what one more verified token adds to a step
     tokens_per_step: float = 1.0
     verified_per_step: float = 0.0  # verified drafts per request-step
-    drafted_per_step: float = 0.0
     predicted_accept_len: float = 1.0
 
     @property
@@ -72,15 +71,16 @@ def headroom_tokens(
 ) -> float:
     """The largest t >= 0 with T(R, D, N + t) <= cap and N + t <= the engine's token budget
     (0 when the batch already exceeds either); T is monotone in N."""
-    most = token_budget - round(target)
-    if most <= 0 or cost.step_ms(requests, round(drafted), round(target)) > cap_ms:
+    d, n = round(drafted), round(target)
+    most = token_budget - n
+    if most <= 0 or cost.step_ms(requests, d, n) > cap_ms:
         return 0.0
-    if cost.step_ms(requests, round(drafted), round(target) + most) <= cap_ms:
+    if cost.step_ms(requests, d, n + most) <= cap_ms:
         return float(most)
     lo, hi = 0, most
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if cost.step_ms(requests, round(drafted), round(target) + mid) <= cap_ms:
+        if cost.step_ms(requests, d, n + mid) <= cap_ms:
             lo = mid
         else:
             hi = mid
@@ -108,7 +108,6 @@ def routing_stats(
         cap_ms=cap_ms,
         tokens_per_step=1.0 + mix.accepted,
         verified_per_step=mix.verified,
-        drafted_per_step=mix.drafted,
         predicted_accept_len=predicted_accept_len,
     )
     if cost is None:

@@ -23,6 +23,8 @@ class Probe(BaseModel):
     goodput_rps: float
     requests: int
     sustainable: bool
+    offered_rate_rps: float | None = None  # arrivals actually sent per second
+    lag_p99_ms: float | None = None  # the load generator's p99 lateness against its schedule
 
 
 class CapacityResult(BaseModel):
@@ -45,7 +47,10 @@ def search(
 
     def probe(rate: float) -> bool:
         report = measure(rate)
-        p = Probe(rate=rate, attainment=report.attainment, goodput_rps=report.goodput_rps, requests=report.requests, sustainable=report.sustainable)
+        p = Probe(
+            rate=rate, attainment=report.attainment, goodput_rps=report.goodput_rps, requests=report.requests,
+            sustainable=report.sustainable, offered_rate_rps=report.offered_rate_rps, lag_p99_ms=report.arrival_lag_ms.p99,
+        )
         path.append(p)
         if on_probe:
             on_probe(p)
@@ -94,14 +99,23 @@ def capacity(
     return search(measure, slo, start_rate=start_rate, bisect_steps=bisect_steps, on_probe=on_probe)
 
 
+def _lag(p: Probe) -> str:
+    return "-" if p.lag_p99_ms is None else f"{p.lag_p99_ms:.0f}"
+
+
 def format_probe(p: Probe) -> str:
-    return f"{p.rate:.3g} req/s: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}"
+    offered = "" if p.offered_rate_rps is None else f" (offered {p.offered_rate_rps:.3g}, arrival lag p99 {_lag(p)} ms)"
+    return f"{p.rate:.3g} req/s{offered}: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}"
 
 
 def format_path(result: CapacityResult) -> str:
-    lines = [f"{'rate':>8} {'attain':>7} {'goodput':>8} {'reqs':>5}  verdict"]
+    lines = [f"{'rate':>8} {'offered':>8} {'lag p99':>8} {'attain':>7} {'goodput':>8} {'reqs':>5}  verdict"]
     for p in result.path:
-        lines.append(f"{p.rate:>8.3g} {p.attainment:>7.1%} {p.goodput_rps:>8.2f} {p.requests:>5}  {'pass' if p.sustainable else 'FAIL'}")
+        offered = "-" if p.offered_rate_rps is None else f"{p.offered_rate_rps:.3g}"
+        lines.append(
+            f"{p.rate:>8.3g} {offered:>8} {_lag(p):>8} {p.attainment:>7.1%} {p.goodput_rps:>8.2f} {p.requests:>5}  "
+            f"{'pass' if p.sustainable else 'FAIL'}"
+        )
     lines.append(f"max sustainable rate: {result.max_rate:.3g} req/s (attainment >= {result.slo.attainment_target:.0%})")
     return "\n".join(lines)
 

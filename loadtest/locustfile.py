@@ -5,7 +5,10 @@
 Arrivals are open loop: each Locust user is an independent Poisson source of
 `rate / users` requests per second that sends each request in its own
 greenlet, so arrivals never wait for the server (the superposition of the
-users is a Poisson process at `rate`). `RateShape` sets the number of users
+users is a Poisson process at `rate`). Arrival times are drawn on an absolute
+schedule: when this process is short of CPU a late arrival is sent as soon as
+it can be and the next ones keep their planned times, so the offered rate
+holds; how late each request left is recorded (`lag_ms`). `RateShape` sets the number of users
 from the configured shape (constant, step, burst) and ends the arrivals after
 `duration_s`; requests in flight then get `drain_s` to finish. With
 `arrivals: closed` each user instead waits for its reply (Locust's
@@ -37,7 +40,7 @@ from loadtest.workload import Workload
 
 CONFIG = LoadTestConfig.model_validate_json(Path(os.environ[CONFIG_ENV]).read_text())
 CSV_FIELDS = (
-    "request_id", "domain", "status", "start_s", "first_token_s", "end_s", "prompt_tokens", "output_tokens",
+    "request_id", "domain", "status", "scheduled_s", "lag_ms", "start_s", "first_token_s", "end_s", "prompt_tokens", "output_tokens",
     "ttft_ms", "tpot_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "error",
 )
 _user_ids = itertools.count()
@@ -97,30 +100,34 @@ class OpenAIStreamUser(FastHttpUser):
         self.in_flight = Group()
         self.headers = {"Authorization": f"Bearer {CONFIG.api_key}"} if CONFIG.api_key else {}
         self._closed_wait = constant_throughput(CONFIG.rate_per_user())
+        # memoryless: a new source's first arrival is one exponential gap away, not now
+        self.next_arrival = time.perf_counter()
         if CONFIG.arrivals == "poisson":
-            gevent.sleep(self.wait_time())  # memoryless: a new source's first arrival is one exponential gap away, not now
+            gevent.sleep(self.wait_time())
 
     def wait_time(self) -> float:
         if CONFIG.arrivals == "closed":
             return self._closed_wait(self)
-        return self.rng.expovariate(CONFIG.rate_per_user())
+        self.next_arrival += self.rng.expovariate(CONFIG.rate_per_user())
+        return max(0.0, self.next_arrival - time.perf_counter())
 
     @task
     def arrive(self) -> None:
         if CONFIG.arrivals == "closed":
-            self.send()
+            self.send(time.perf_counter())
         else:
-            self.in_flight.spawn(self.send)
+            self.in_flight.spawn(self.send, self.next_arrival)
 
     def on_stop(self) -> None:
         self.in_flight.join(timeout=CONFIG.drain_s)
         self.in_flight.kill()
 
-    def send(self) -> None:
+    def send(self, scheduled: float) -> None:
+        """One request; `scheduled` is its planned arrival (perf_counter), which may lie before now."""
         domain, body = self.workload.next()
         row = {"request_id": f"{os.getpid()}-{id(body)}-{time.time_ns()}", "domain": domain, "status": 0, "error": ""}
         start, start_wall = time.perf_counter(), time.time()
-        row["start_s"] = start_wall
+        row.update(start_s=start_wall, scheduled_s=start_wall - (start - scheduled), lag_ms=max(0.0, start - scheduled) * 1000.0)
         first = last = None
         gaps: list[float] = []
         usage = None

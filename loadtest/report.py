@@ -18,12 +18,15 @@ from pydantic import BaseModel
 from loadtest.config import SLOConfig
 
 PERCENTILES = (50, 90, 99)
+LAG_WARN_MS = 100.0  # a p99 arrival lag above this means the load generator, not the server, shaped the arrivals
 
 
 class RequestRow(BaseModel):
     request_id: str
     domain: str
     status: int
+    scheduled_s: float | None = None  # planned arrival; start_s is when it was sent
+    lag_ms: float | None = None
     start_s: float
     end_s: float
     first_token_s: float | None = None
@@ -89,6 +92,7 @@ class LoadTestReport(BaseModel):
     tpot_ms: Percentiles
     itl_ms: Percentiles
     e2e_ms: Percentiles
+    arrival_lag_ms: Percentiles  # how late the load generator sent requests against its Poisson schedule
     by_domain: dict[str, dict[str, float]]
     attainment_over_time: list[tuple[float, float, int]]  # (window start s, attainment, requests)
 
@@ -127,9 +131,14 @@ def build_report(rows: list[RequestRow], slo: SLOConfig, rate: float, duration_s
         tpot_ms=_percentiles([r.tpot_ms for r in ok if r.tpot_ms is not None]),
         itl_ms=_percentiles([r.itl_mean_ms for r in ok if r.itl_mean_ms is not None]),
         e2e_ms=_percentiles([r.e2e_ms for r in ok]),
+        arrival_lag_ms=_percentiles([r.lag_ms for r in rows if r.lag_ms is not None]),
         by_domain=by_domain,
         attainment_over_time=windows,
     )
+
+
+def generator_lagged(report: LoadTestReport) -> bool:
+    return report.arrival_lag_ms.p99 is not None and report.arrival_lag_ms.p99 > LAG_WARN_MS
 
 
 def format_report(report: LoadTestReport) -> str:
@@ -149,6 +158,11 @@ def format_report(report: LoadTestReport) -> str:
         f"{'ITL':>6} {fmt(report.itl_ms)}",
         f"{'E2E':>6} {fmt(report.e2e_ms)}",
     ]
+    if generator_lagged(report):
+        lines.append(
+            f"warning: the load generator sent requests late (arrival lag p99 {report.arrival_lag_ms.p99:.0f} ms): "
+            "it was short of CPU, so the latencies include its own delays; give it more (--processes, another machine)"
+        )
     if report.errors_by_status:
         lines.append("errors by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(report.errors_by_status.items())))
     return "\n".join(lines)

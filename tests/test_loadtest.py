@@ -14,7 +14,7 @@ from scipy import stats
 
 from loadtest.capacity import search
 from loadtest.config import LoadTestConfig, SLOConfig
-from loadtest.report import LoadTestReport, build_report, read_rows
+from loadtest.report import LoadTestReport, Percentiles, build_report, read_rows
 from loadtest.run import free_port
 
 
@@ -23,7 +23,10 @@ def _fake_measure(capacity: float, calls: list[float]):
 
     def measure(rate: float) -> LoadTestReport:
         calls.append(rate)
-        return LoadTestReport.model_construct(attainment=1.0 if rate <= capacity else 0.5, goodput_rps=rate, requests=10, sustainable=rate <= capacity)
+        return LoadTestReport.model_construct(
+            attainment=1.0 if rate <= capacity else 0.5, goodput_rps=rate, requests=10, sustainable=rate <= capacity,
+            offered_rate_rps=rate, arrival_lag_ms=Percentiles(p50=0.0, p90=0.0, p99=0.0, mean=0.0),
+        )
 
     return measure
 
@@ -117,6 +120,10 @@ def test_a_real_locust_run_agrees_with_the_server_and_paces_poisson_arrivals(ser
     assert report["attainment"] == 0.0 and report["sustainable"] is False and report["goodput_rps"] == 0.0
     loose = build_report(rows, SLOConfig(ttft_ms=1e9, tpot_ms=1e9, e2e_ms=1e9), rate, duration)
     assert loose.attainment == len(ok) / len(rows) and loose.met_slo == len(ok)
+
+    # Each request's lateness against its planned arrival is recorded and summarised.
+    assert all(r.lag_ms >= 0 and abs((r.start_s - r.scheduled_s) * 1000 - r.lag_ms) < 1.0 for r in rows)
+    assert report["arrival_lag_ms"]["p50"] == pytest.approx(float(np.median([r.lag_ms for r in rows])))
 
     # Open-loop Poisson pacing: the inter-arrival times fit Exp(rate).
     gaps = _inter_arrivals(rows)

@@ -214,7 +214,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import yaml
 
     from loadtest.capacity import plot_capacity
-    from loadtest.compare import VARIANTS, compare, format_compare
+    from loadtest.compare import VARIANTS, compare, format_compare, local_servers
 
     if args.repeats < 1:
         print("forespark compare: --repeats must be >= 1", file=sys.stderr)
@@ -234,7 +234,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if (inputs := _load_inputs(args, f"http://127.0.0.1:{args.port}", args.start_rate)) is None:
         return 2
     base, slo = inputs
-    result = compare(base, slo, list(args.variants), base_app, args.port, args.start_rate, args.bisect_steps, args.repeats, args.server_nice)
+    result = compare(base, slo, list(args.variants), base_app, local_servers(args.port), args.start_rate, args.bisect_steps, args.repeats)
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
     print(f"wrote {Path(args.out) / 'compare.png'}")
@@ -421,8 +421,6 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
     cmp_.add_argument("--bisect-steps", type=int, default=3)
     cmp_.add_argument("--repeats", type=int, default=1, help="rounds over all variants; rates are medians over rounds")
-    cmp_.add_argument("--server-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
-                      help="CPU niceness of the servers under test, so Locust on the same machine keeps its schedule (default 10)")
     _add_load_options(cmp_, "results/compare", 30.0)
     cmp_.set_defaults(func=cmd_compare)
 

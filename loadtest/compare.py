@@ -5,10 +5,6 @@ on the same machine and port, started fresh (a clean engine and cache),
 searched, and stopped before the next starts; with repeats, every variant is
 searched once per round and its rate is the median over rounds. The result is
 the ratio of median sustainable request rates.
-
-The server runs at a lower CPU priority (`server_nice`) than Locust: on one
-machine a load generator starved by the server under test sends late and
-times late, and how much depends on the variant, which would bias the ratio.
 """
 
 from __future__ import annotations
@@ -18,7 +14,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +69,8 @@ def variant_app_config(base: dict[str, Any], variant: Variant) -> dict[str, Any]
 class ServerProcess:
     """`forespark serve` in its own process group; ready when `/v1/models` answers; SIGTERM on exit."""
 
-    def __init__(self, app_config: dict, port: int, work_dir: Path, start_timeout_s: float = 900.0, nice: int = 0) -> None:
+    def __init__(self, app_config: dict, port: int, work_dir: Path, start_timeout_s: float = 900.0) -> None:
         self.port = port
-        self.nice = nice
         self.url = f"http://127.0.0.1:{port}"
         self.config_path = work_dir / "app.yaml"
         self.config_path.write_text(yaml.safe_dump(app_config))
@@ -90,7 +86,6 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path), "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,  # Ray's processes inherit it
         )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -122,17 +117,32 @@ def ratio(variants: dict[str, VariantResult], a: str, b: str) -> float | None:
     return variants[a].max_rate / variants[b].max_rate
 
 
+ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[str]]  # (app config, work dir) -> a running server's URL
+CapacitySearch = Callable[..., CapacityResult]  # loadtest.capacity.capacity's signature
+
+
+def local_servers(port: int) -> ServerStarter:
+    """`forespark serve` on this machine, one at a time on `port`."""
+
+    @contextmanager
+    def start(app_config: dict[str, Any], work: Path) -> Iterator[str]:
+        with ServerProcess(app_config, port, work) as server:
+            yield server.url
+
+    return start
+
+
 def compare(
     base_load: LoadTestConfig,
     slo: SLOConfig,
     variants: list[str],
     base_app: dict[str, Any],
-    port: int,
+    start_server: ServerStarter,
     start_rate: float,
     bisect_steps: int = 3,
     repeats: int = 1,
-    server_nice: int = 10,
     log: Callable[[str], None] = print,
+    search_capacity: CapacitySearch = capacity,
 ) -> CompareResult:
     """Each repeat searches every variant once, in turn; a variant's rate is the median over repeats."""
     rates: dict[str, list[float]] = {name: [] for name in variants}
@@ -143,9 +153,9 @@ def compare(
             work = Path(base_load.out_dir) / name / f"repeat-{rep}"
             work.mkdir(parents=True, exist_ok=True)
             log(f"== {name} (repeat {rep + 1}/{repeats}): policy {variant.policy}, router {variant.router}; starting the server")
-            with ServerProcess(variant_app_config(base_app, variant), port, work, nice=server_nice) as server:
-                load = base_load.model_copy(update={"url": server.url, "out_dir": work})
-                last[name] = capacity(load, slo, start_rate, bisect_steps, on_probe=lambda p: log("   " + format_probe(p)))
+            with start_server(variant_app_config(base_app, variant), work) as url:
+                load = base_load.model_copy(update={"url": url, "out_dir": work})
+                last[name] = search_capacity(load, slo, start_rate, bisect_steps, on_probe=lambda p: log("   " + format_probe(p)))
             rates[name].append(last[name].max_rate)
             log(f"   {name}: max sustainable rate {last[name].max_rate:.3g} req/s")
     results = {

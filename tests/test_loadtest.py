@@ -139,3 +139,40 @@ def test_a_closed_loop_run_at_the_same_mean_rate_is_not_poisson(server, tmp_path
     rows = run_locust(config, progress=False)
     assert len(rows) > 0.7 * rate * duration
     assert stats.kstest(_inter_arrivals(rows), "expon", args=(0, 1 / rate)).pvalue < 0.01
+
+
+def test_compare_searches_every_variant_per_round_and_reports_ratios_of_medians(tmp_path):
+    """`compare`'s own logic with a stand-in server and capacity search (the real ones are tested above;
+    a real compare is a benchmark of many minutes): each round starts every variant once, in order, with
+    its policy and router in the application config; rates are medians over rounds; ratios are of medians."""
+    from contextlib import contextmanager
+
+    from loadtest.capacity import CapacityResult
+    from loadtest.compare import compare
+
+    started: list[tuple[str, str, str]] = []
+    rounds = {"wcs": [6.0, 9.0, 7.0], "dspark": [4.0, 5.0, 3.0], "wcs-pow2": [7.0, 2.0, 5.0]}
+    served = {("wcs", "acceptance_headroom"): "wcs", ("dspark", "acceptance_headroom"): "dspark", ("wcs", "pow2"): "wcs-pow2"}
+
+    @contextmanager
+    def fake_server(app_config, work):
+        key = (app_config["replica"]["engine"]["wcs"]["policy"], app_config["router"]["kind"])
+        started.append((served[key], *key))
+        assert app_config["replica"]["num_replicas"] == 3  # the base config is kept
+        yield f"http://stand-in/{served[key]}"
+
+    def fake_capacity(load, slo, start_rate, bisect_steps, on_probe=None):
+        name = load.url.rsplit("/", 1)[1]
+        rep = int(load.out_dir.name.split("-")[1])
+        return CapacityResult(max_rate=rounds[name][rep], slo=slo, path=[])
+
+    base = LoadTestConfig(url="http://unused", rate=1.0, duration_s=1.0, out_dir=tmp_path)
+    result = compare(
+        base, SLOConfig(), ["wcs", "dspark", "wcs-pow2"], {"replica": {"num_replicas": 3}}, fake_server, 1.0,
+        repeats=3, log=lambda _: None, search_capacity=fake_capacity,
+    )
+    assert [s[0] for s in started] == ["wcs", "dspark", "wcs-pow2"] * 3
+    assert {name: v.max_rates for name, v in result.variants.items()} == rounds
+    assert (result.variants["wcs"].max_rate, result.variants["dspark"].max_rate, result.variants["wcs-pow2"].max_rate) == (7.0, 4.0, 5.0)
+    assert result.ratios["wcs_vs_dspark"] == pytest.approx(7 / 4) and result.ratios["router_vs_pow2"] == pytest.approx(7 / 5)
+    assert result.ratios["wcs_vs_ar"] is None  # ar was not run

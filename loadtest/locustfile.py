@@ -8,9 +8,9 @@ greenlet, so arrivals never wait for the server (the superposition of the
 users is a Poisson process at `rate`). Arrival times are drawn on an absolute
 schedule: when this process is short of CPU a late arrival is sent as soon as
 it can be and the next ones keep their planned times, so the offered rate
-holds; how late each request left is recorded (`lag_ms`). `RateShape` sets the number of users
-from the configured shape (constant, step, burst) and ends the arrivals after
-`duration_s`; requests in flight then get `drain_s` to finish. With
+holds; how late each request left is recorded (`lag_ms`). `RateShape` sets
+the number of users from the configured shape (constant, step, burst) and
+ends the arrivals after `duration_s`; requests in flight then get `drain_s` to finish. With
 `arrivals: closed` each user instead waits for its reply (Locust's
 `constant_throughput`), the classic closed loop, kept as the contrast.
 
@@ -100,10 +100,9 @@ class OpenAIStreamUser(FastHttpUser):
         self.in_flight = Group()
         self.headers = {"Authorization": f"Bearer {CONFIG.api_key}"} if CONFIG.api_key else {}
         self._closed_wait = constant_throughput(CONFIG.rate_per_user())
-        # memoryless: a new source's first arrival is one exponential gap away, not now
         self.next_arrival = time.perf_counter()
         if CONFIG.arrivals == "poisson":
-            gevent.sleep(self.wait_time())
+            gevent.sleep(self.wait_time())  # memoryless: a new source's first arrival is one exponential gap away, not now
 
     def wait_time(self) -> float:
         if CONFIG.arrivals == "closed":

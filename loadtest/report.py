@@ -161,7 +161,7 @@ def format_report(report: LoadTestReport) -> str:
     if generator_lagged(report):
         lines.append(
             f"warning: the load generator sent requests late (arrival lag p99 {report.arrival_lag_ms.p99:.0f} ms): "
-            "it was short of CPU, so the latencies include its own delays; give it more (--processes, another machine)"
+            "its process did not get the CPU in time, so the latencies may include its own delays; give it more (--processes, another machine)"
         )
     if report.errors_by_status:
         lines.append("errors by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(report.errors_by_status.items())))

@@ -85,7 +85,10 @@ class ServerProcess:
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", "serve", "--config", str(self.config_path), "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            # Its own process group (so it can be killed whole) but not its own session: with the kernel's
+            # autogroup scheduling a new session is a separate CPU group, whose fair share starves a load
+            # generator in this one for up to seconds at a time; in one group Ray's worker niceness applies.
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, process_group=0,
         )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:

@@ -73,7 +73,7 @@ class LoadTestConfig(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, description="output tokens per request (default: each domain's setting)")
     ignore_eos: bool = Field(default=True, description="every request produces exactly max_tokens (comparable runs)")
     temperature: float = Field(default=0.0, ge=0)
-    seed: int = 0
+    seed: int = Field(default=0, description="arrival times and prompts: the same seed and settings give the same load")
     processes: int = Field(default=1, ge=1, description="Locust worker processes")
     out_dir: Path = Field(default=Path("results/loadtest"))
 

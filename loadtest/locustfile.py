@@ -10,9 +10,10 @@ schedule: when this process is short of CPU a late arrival is sent as soon as
 it can be and the next ones keep their planned times, so the offered rate
 holds; how late each request left is recorded (`lag_ms`). `RateShape` sets
 the number of users from the configured shape (constant, step, burst) and
-ends the arrivals after `duration_s`; requests in flight then get `drain_s` to finish. With
-`arrivals: closed` each user instead waits for its reply (Locust's
-`constant_throughput`), the classic closed loop, kept as the contrast.
+ends the arrivals after `duration_s`; requests in flight then get `drain_s`
+to finish. With `arrivals: closed` each user instead waits for its reply
+(Locust's `constant_throughput`), the classic closed loop, kept as the
+contrast.
 
 Every request streams `/v1/completions` and is measured here, not by
 Locust's own row (which times the response headers): TTFT, TPOT = (E2E -
@@ -44,6 +45,15 @@ CSV_FIELDS = (
     "ttft_ms", "tpot_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "error",
 )
 _user_ids = itertools.count()
+_origin: float | None = None
+
+
+def _arrival_origin(now: float) -> float:
+    """When this process's first user started: time zero of its arrival schedule."""
+    global _origin
+    if _origin is None:
+        _origin = now
+    return _origin
 
 
 class RequestLog:
@@ -94,13 +104,20 @@ class OpenAIStreamUser(FastHttpUser):
     connection_timeout = 30.0
 
     def on_start(self) -> None:
-        uid = next(_user_ids)
-        self.rng = random.Random(f"{CONFIG.seed}-{os.getpid()}-{uid}")
-        self.workload = Workload(CONFIG, self.rng)
+        # Seeded by (seed, Locust worker, user), never by process id: runs with the same seed and settings send
+        # the same prompts on the same schedule (scaled by the rate), so variants compared at a rate see one load.
+        stream = f"{CONFIG.seed}-{self.environment.runner.worker_index}-{next(_user_ids)}"
+        self.rng = random.Random(stream)  # arrival gaps
+        self.workload = Workload(CONFIG, random.Random(f"{stream}-prompts"))
         self.in_flight = Group()
         self.headers = {"Authorization": f"Bearer {CONFIG.api_key}"} if CONFIG.api_key else {}
         self._closed_wait = constant_throughput(CONFIG.rate_per_user())
-        self.next_arrival = time.perf_counter()
+        now = time.perf_counter()
+        origin = _arrival_origin(now)
+        # The users of the first spawn share this process's origin, so the schedule does not depend on the few
+        # milliseconds spawning takes; a user added later (step, burst) starts from its own start.
+        self.next_arrival = origin if now - origin < 1.0 else now
+        self.arrivals_end = origin + CONFIG.duration_s
         if CONFIG.arrivals == "poisson":
             gevent.sleep(self.wait_time())  # memoryless: a new source's first arrival is one exponential gap away, not now
 
@@ -114,7 +131,7 @@ class OpenAIStreamUser(FastHttpUser):
     def arrive(self) -> None:
         if CONFIG.arrivals == "closed":
             self.send(time.perf_counter())
-        else:
+        elif self.next_arrival < self.arrivals_end:  # after it, only the shape's next tick is left to stop the users
             self.in_flight.spawn(self.send, self.next_arrival)
 
     def on_stop(self) -> None:

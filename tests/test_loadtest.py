@@ -141,6 +141,27 @@ def test_a_closed_loop_run_at_the_same_mean_rate_is_not_poisson(server, tmp_path
     assert stats.kstest(_inter_arrivals(rows), "expon", args=(0, 1 / rate)).pvalue < 0.01
 
 
+def _schedule(rows) -> tuple[np.ndarray, list[str]]:
+    """Planned arrival times relative to the first, and the domains in that order."""
+    rows = sorted(rows, key=lambda r: r.scheduled_s)
+    return np.array([r.scheduled_s - rows[0].scheduled_s for r in rows]), [r.domain for r in rows]
+
+
+def test_the_same_seed_sends_the_same_load_and_another_seed_does_not(server, tmp_path):
+    """Common random numbers for A/B runs: a seed fixes the arrival schedule and the prompt mix, whatever the
+    process ids; the negative control is a second seed."""
+    from loadtest.run import run_locust
+
+    def run(seed: int, name: str):
+        config = LoadTestConfig(url=server.url, rate=4.0, duration_s=8.0, max_tokens=4, seed=seed, out_dir=tmp_path / name)
+        return _schedule(run_locust(config, progress=False))
+
+    (t_a, d_a), (t_b, d_b), (t_c, _) = run(0, "a"), run(0, "b"), run(1, "c")
+    assert len(t_a) >= 10
+    assert len(t_a) == len(t_b) and np.abs(t_a - t_b).max() < 0.001 and d_a == d_b
+    assert len(t_c) != len(t_a) or np.abs(t_c - t_a).max() > 0.5
+
+
 def test_compare_searches_every_variant_per_round_and_reports_ratios_of_medians(tmp_path):
     """`compare`'s own logic with a stand-in server and capacity search (the real ones are tested above;
     a real compare is a benchmark of many minutes): each round starts every variant once, in order, with

@@ -32,11 +32,14 @@ class Variant(BaseModel):
     name: str
     policy: str
     router: str
+    online_cost: bool = True  # the engine corrects its profiled step cost while serving (WCSConfig.online_cost)
 
 
 VARIANTS = {
     "wcs": Variant(name="wcs", policy="wcs", router="acceptance_headroom"),
-    "dspark": Variant(name="dspark", policy="dspark", router="acceptance_headroom"),
+    # vLLM's adaptive verification prices steps with its start-up profile only.
+    "dspark": Variant(name="dspark", policy="dspark", router="acceptance_headroom", online_cost=False),
+    "dspark-online": Variant(name="dspark-online", policy="dspark", router="acceptance_headroom"),
     "ar": Variant(name="ar", policy="ar", router="acceptance_headroom"),
     "wcs-pow2": Variant(name="wcs-pow2", policy="wcs", router="pow2"),
 }
@@ -58,10 +61,10 @@ class CompareResult(BaseModel):
 
 
 def variant_app_config(base: dict[str, Any], variant: Variant) -> dict[str, Any]:
-    """`base` (an AppConfig as a dict) with the variant's policy and router."""
+    """`base` (an AppConfig as a dict) with the variant's policy, step-cost pricing and router."""
     config = yaml.safe_load(yaml.safe_dump(base or {}))
     engine = config.setdefault("replica", {}).setdefault("engine", {})
-    engine.setdefault("wcs", {})["policy"] = variant.policy
+    engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost)
     config.setdefault("router", {})["kind"] = variant.router
     return config
 

@@ -60,18 +60,14 @@ class ReplicaConfig(BaseModel):
     autoscaling: AutoscalingBounds | None = Field(default=None, description="Serve autoscaling bounds; None: num_replicas fixed")
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests in flight per replica")
     max_queued_requests: int = Field(default=256, ge=1, description="requests waiting at each caller beyond those")
-    tpot_slo_ms: float = Field(
-        default=100.0, gt=0, description="TPOT SLO: caps WCS's predicted step time and defines routing headroom"
-    )
+    tpot_slo_ms: float = Field(default=100.0, gt=0, description="TPOT SLO: defines the router's headroom")
     stats_period_s: float = Field(default=1.0, gt=0, description="routing stats and metrics refresh period")
     stream_batch_ms: float = Field(default=10.0, ge=0, description="SSE lines are sent to the ingress in batches this old")
 
     def replica_engine(self) -> EngineConfig:
-        """The engine config as a replica runs it: the TPOT SLO as WCS's step-time cap (unless the
-        engine sets its own), and tensor parallelism over GPUs through Ray (the replica's placement group)."""
+        """The engine config as a replica runs it: tensor parallelism over GPUs through Ray (the replica's
+        placement group)."""
         engine = self.engine
-        if engine.wcs is not None and engine.wcs.tpot_slo_ms is None:
-            engine = engine.model_copy(update={"wcs": engine.wcs.model_copy(update={"tpot_slo_ms": self.tpot_slo_ms})})
         if self.accelerator == "gpu" and engine.tensor_parallel_size > 1 and engine.distributed_executor_backend is None:
             engine = engine.model_copy(update={"distributed_executor_backend": "ray"})
         return engine

@@ -84,6 +84,11 @@ class StepCostModel(BaseModel):
     def _tables(self) -> "_LookupTables":
         return _LookupTables(self)
 
+    def model_copy(self, *, update=None, deep: bool = False) -> "StepCostModel":
+        copy = super().model_copy(update=update, deep=deep)
+        copy.__dict__.pop("_tables", None)  # built from the original's fields
+        return copy
+
     def step_ms(self, num_requests: int, drafted_tokens: int, target_tokens: int) -> float:
         """Scalar T from the lookup tables (cheaper than `predict` for one point)."""
         return self._tables.step_ms(int(num_requests), int(drafted_tokens), int(target_tokens))

@@ -55,9 +55,15 @@ def plan_step(
     """Draft widths with lo_i <= d_i <= hi_i maximising (R + sum gains) / T(R, sum d, R + sum d).
 
     `token_budget` caps target tokens per step (R + verified); `time_cap_ms`
-    caps predicted step time (a TPOT SLO). Both may cut forced slots: the
-    system's limits win over a policy's fixed width. `validate=False` skips
-    `check_survival` for curves built by `survival_from_hazards`.
+    caps predicted step time (an inter-token latency bound). Both may cut
+    forced slots: the system's limits win over a policy's fixed width.
+    `validate=False` skips `check_survival` for curves built by
+    `survival_from_hazards`.
+
+    A TPOT SLO needs no cap here: the batch's mean time per output token is
+    T * R / (R + sum gains), R over the objective, so the argmax is also the
+    plan with the lowest mean TPOT. Capping T at the SLO would instead forbid
+    long steps that give each request several tokens.
     """
     survival = np.asarray(survival)
     if validate:

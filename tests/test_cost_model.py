@@ -88,3 +88,12 @@ def test_fit_separates_the_drafter_launch_cost_from_the_intercept():
     # The lookup tables (the planner's path) agree with predict.
     assert with_launch.step_ms(8, 0, 8) == pytest.approx(float(with_launch.predict(8, 0, 8)))
     assert with_launch.step_ms(8, 3, 11) == pytest.approx(float(with_launch.predict(8, 3, 11)))
+
+
+def test_a_copy_with_other_fields_prices_steps_with_them():
+    """The lookup tables are cached per model: a copy must not inherit the original's."""
+    model = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.5, per_draft_ms=0.3, per_target_ms=0.4)
+    assert model.step_ms(4, 8, 10) == pytest.approx(float(model.predict(4, 8, 10)))  # builds the tables
+    longer = model.model_copy(update={"intercept_ms": 70.0})
+    assert longer.step_ms(4, 8, 10) == pytest.approx(model.step_ms(4, 8, 10) + 60.0)
+    assert longer.prefix_curve(4, 3, None)[0] == pytest.approx(model.prefix_curve(4, 3, None)[0] + 60.0)

@@ -115,6 +115,40 @@ def test_ragged_widths_shrink_the_drafters_work(llm):
     assert len(ragged) > 5
 
 
+def test_served_steps_correct_the_step_cost_online(llm):
+    """Steps that run back to back feed the online correction (`scheduling/online_cost.py`): the
+    offset the engine reports is the mean excess of their periods over the profile's predictions,
+    recomputed here from the step log. Negative control: with the correction off the profile is
+    served as it is."""
+    from vllm import SamplingParams
+
+    prompts = [p.prompt for p in load_workloads()["code"][:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm.collective_rpc("wcs_set_policy", args=("wcs",))
+    llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))  # a fresh correction
+    llm.collective_rpc("wcs_step_log", args=(True,))
+    llm.generate(prompts, params, use_tqdm=False)
+    steps = llm.collective_rpc("wcs_step_log", args=(False,))[0]
+    offset = stats(llm).step_cost_offset_ms
+    residuals = [
+        (nxt["start"] - s["start"]) * 1e3 - DRAFTING_PAYS.step_ms(s["requests"], s["drafted_tokens"], s["requests"] + s["verified_tokens"])
+        for s, nxt in zip(steps, steps[1:])
+        if s["planned"] and set(s["planned"]) & set(nxt["planned"])
+    ]
+    fed = len(residuals) // 16 * 16  # the correction is refreshed every 16 steps, over the last 128
+    assert fed >= 32
+    expected = max(float(np.mean(residuals[max(0, fed - 128) : fed])), -DRAFTING_PAYS.intercept_ms)
+    assert abs(expected) > 0.5 and offset == pytest.approx(expected, abs=0.5)
+
+    llm.collective_rpc("wcs_set_online_cost", args=(False,))
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+        assert stats(llm).step_cost_offset_ms == 0.0
+    finally:
+        llm.collective_rpc("wcs_set_online_cost", args=(True,))
+        llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+
+
 def _later_position_acceptance(llm, policy, profiling_seed=None):
     """Mean over draft positions 2..4 of P(first j drafts accepted | position j verified), greedy."""
     from vllm import SamplingParams

@@ -23,7 +23,15 @@ class WCSConfig(BaseModel):
     cost_model: Path | None = Field(
         default=None, description="profiled step-cost JSON; None: profile at start and cache per engine config"
     )
-    tpot_slo_ms: float | None = Field(default=None, gt=0, description="caps predicted step time (per-token SLO)")
+    max_step_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="caps predicted step time (an inter-token latency bound); a TPOT SLO needs no cap: see planner.py",
+    )
+    online_cost: bool = Field(
+        default=True,
+        description="correct the profiled step cost by measured step periods while serving (scheduling/online_cost.py)",
+    )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 

@@ -22,6 +22,7 @@ from replicas.wcs.stats import WCSStats
 from scheduling.calibration import PostDraftCalibrator
 from scheduling.cost_model import StepCostModel
 from scheduling.estimators import ESTIMATORS, ConstantEstimator, SurvivalEstimator
+from scheduling.online_cost import OnlineCostModel
 from scheduling.planner import DraftPlan
 from scheduling.policies import Policy, PolicyName, StepLimits
 from scheduling.survival import hazards_from_survival
@@ -67,7 +68,7 @@ class StepController:
         self.estimator = estimator
         self.calibrator = calibrator if calibrator is not None else PostDraftCalibrator(k)
         self.cost = cost
-        self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.tpot_slo_ms)
+        self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms)
         self.tracker = AcceptanceTracker(k, config.history_decay)
         self.set_policy(config.policy)
         self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
@@ -87,8 +88,32 @@ class StepController:
         self._ever_drafts = bool(self.policy.draft_bounds(np.full(1, self.k))[1].any())
 
     @property
+    def cost(self) -> StepCostModel | None:
+        """The profiled step-cost model (None until the engine has one)."""
+        return None if self._online is None else self._online.profiled
+
+    @cost.setter
+    def cost(self, profiled: StepCostModel | None) -> None:
+        self._online = None if profiled is None else OnlineCostModel(profiled)
+
+    @property
     def cost_model(self) -> StepCostModel:
-        return self.cost if self.cost is not None else UNPROFILED_COST
+        """What the planner and the allocator price steps with: the profile, corrected by measured steps."""
+        return self._online.model if self._online is not None else UNPROFILED_COST
+
+    @property
+    def cost_offset_ms(self) -> float:
+        """What the online correction adds to the profiled step cost now."""
+        return 0.0 if self._online is None else self._online.offset_ms
+
+    def observe_step(self, requests: int, drafted: int, target: int, period_ms: float) -> None:
+        """A served step (see `OnlineCostModel.observe`). Profiling steps are not fed: the profile is fitted on
+        them. Without `config.online_cost` the profile alone prices steps."""
+        online = self._online
+        if online is not None and self.profiling is None and self.config.online_cost:
+            online.observe(requests, drafted, target, period_ms)
+            if online.seen % 1024 == 0:
+                logger.info("step cost online: %+.1f ms on the profiled intercept", online.offset_ms)
 
     def observe(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> None:
         """The scheduler verified `verified[i]` of request i's last drafts and `accepted[i]` were accepted."""

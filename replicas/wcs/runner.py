@@ -43,6 +43,7 @@ class StepSample:
     start: float  # perf_counter at execute_model
     requests: int  # R
     target_tokens: int  # N: tokens the target ran (R + verified drafts when no prefill)
+    verified_tokens: int  # drafts verified this step
     drafted_tokens: int  # D: sum of d_i drafted this step
     drafter_rows: int  # query rows the drafter's forward pass ran (0 when it only stored context K/V)
     prefill: bool  # some request was prefilling: not a decode step
@@ -72,15 +73,19 @@ class WCSRunnerMixin:
     wcs_log: list[StepSample] | None = None  # set to a list to keep every step
     _wcs_dist: torch.Tensor | None = None
     _wcs_step: StepSample | None = None
+    _wcs_last: StepSample | None = None  # the last finished step that planned requests
     _wcs_fresh: bool = False
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         counts = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
+        start = time.perf_counter()
+        self._wcs_time_last_step(start, counts)
         self._wcs_step = StepSample(
-            start=time.perf_counter(),
+            start=start,
             requests=len(counts),
             target_tokens=scheduler_output.total_num_scheduled_tokens,
+            verified_tokens=sum(len(t) for t in spec.values()),
             drafted_tokens=0,
             drafter_rows=0,
             prefill=any(n != 1 + len(spec.get(r, ())) for r, n in counts.items()),
@@ -111,8 +116,16 @@ class WCSRunnerMixin:
             stats.target_ms += step.runner_ms - step.draft_ms - step.planner_ms
             if self.wcs_log is not None:
                 self.wcs_log.append(step)
+            self._wcs_last = step if step.planned else None
         self._wcs_step = None
         return out
+
+    def _wcs_time_last_step(self, now: float, scheduled: dict) -> None:
+        """Hand the controller the last step's period when this step follows it directly (some of its
+        requests run on), so that the period is all engine work and no idling."""
+        last, self._wcs_last = self._wcs_last, None
+        if last is not None and not scheduled.keys().isdisjoint(last.planned):
+            self.wcs.observe_step(last.requests, last.drafted_tokens, last.requests + last.verified_tokens, (now - last.start) * 1e3)
 
     def _sample(self, logits, spec_decode_metadata):
         self._wcs_dist = distribution_stats(logits) if logits is not None and self.wcs.needs_drafter() else None

@@ -21,6 +21,7 @@ class WCSStats(BaseModel):
     draft_ms: float = 0.0
     target_ms: float = 0.0  # the target's forward pass and sampling
     step_ms: float = 0.0  # whole runner steps (target + drafting + planning + bookkeeping)
+    step_cost_offset_ms: float = 0.0  # a gauge: what the online correction adds to the profiled step cost
 
     def model_post_init(self, _) -> None:
         for name in ("drafted_per_pos", "verified_per_pos", "accepted_per_pos"):
@@ -66,7 +67,7 @@ class WCSStats(BaseModel):
         for name, value in self:
             if isinstance(value, list):
                 setattr(out, name, [a - b for a, b in zip(value, getattr(other, name))])
-            elif isinstance(value, (int, float)) and name != "k":
+            elif isinstance(value, (int, float)) and name not in ("k", "step_cost_offset_ms"):
                 setattr(out, name, value - getattr(other, name))
         return out
 

@@ -55,7 +55,9 @@ class WCSWorker(_PlatformWorker):
         return self.model_runner.wcs
 
     def wcs_stats(self) -> dict:
-        return self._wcs.stats.model_dump()
+        ctl = self._wcs
+        ctl.stats.step_cost_offset_ms = ctl.cost_offset_ms
+        return ctl.stats.model_dump()
 
     def wcs_batch_acceptance(self) -> float:
         return self._wcs.predicted_accept_len()
@@ -72,6 +74,12 @@ class WCSWorker(_PlatformWorker):
 
     def wcs_set_cost_model(self, cost_json: str) -> None:
         self._wcs.cost = StepCostModel.model_validate_json(cost_json)
+
+    def wcs_set_online_cost(self, on: bool) -> None:
+        """Turn the online step-cost correction on or off (`WCSConfig.online_cost`); off serves the profile."""
+        ctl = self._wcs
+        ctl.config.online_cost = on
+        ctl.cost = ctl.cost  # a fresh correction from the profile
 
     def wcs_profiling(self, seed: int | None, skip: float = 0.25) -> None:
         """Random widths (lossless: chosen without looking at drafts), a `skip` share of steps drafting

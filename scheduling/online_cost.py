@@ -35,11 +35,7 @@ class OnlineCostModel:
         self.refresh_every = refresh_every
         self.min_change_ms = min_change_ms
         self._residuals = np.zeros(window)
-        self._seen = 0
-
-    @property
-    def seen(self) -> int:
-        return self._seen
+        self.seen = 0  # steps observed
 
     @property
     def offset_ms(self) -> float:
@@ -49,13 +45,13 @@ class OnlineCostModel:
     def observe(self, requests: int, drafted: int, target: int, period_ms: float) -> None:
         """One step with `requests` planned requests, `drafted` draft tokens and `target` tokens as the
         planner counts them (requests + verified drafts) took `period_ms` from its start to the next's."""
-        self._residuals[self._seen % len(self._residuals)] = period_ms - self.profiled.step_ms(requests, drafted, target)
-        self._seen += 1
-        if self._seen % self.refresh_every == 0:
+        self._residuals[self.seen % len(self._residuals)] = period_ms - self.profiled.step_ms(requests, drafted, target)
+        self.seen += 1
+        if self.seen % self.refresh_every == 0:
             self._refresh()
 
     def _refresh(self) -> None:
-        residuals = self._residuals[: min(self._seen, len(self._residuals))]
+        residuals = self._residuals[: min(self.seen, len(self._residuals))]
         # The served model must stay a step-cost model: a non-negative intercept.
         offset = max(float(residuals.mean()), -self.profiled.intercept_ms)
         if abs(offset - self.offset_ms) >= self.min_change_ms:

@@ -99,9 +99,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from cluster.app import build_app
+    from cluster.serve_env import serve_environment
     from replicas.engine import cpu_engine_environment
 
     cpu_engine_environment()
+    serve_environment()  # a cluster joined with --address has its own, from `ray start` (see the manifests)
     try:
         config = load_app_config(
             args.config, {"ingress": {"api_key": args.api_key}, "replica": {"num_replicas": args.replicas}, "router": {"kind": args.router}}

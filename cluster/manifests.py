@@ -3,12 +3,14 @@
 Three kinds, told apart by their content:
 
 - `ray up` cluster YAMLs (`provider:`): Ray's own `prepare_config` + `validate_config`
-  (the JSON schema `ray up` applies; unknown keys are errors);
+  (the JSON schema `ray up` applies; unknown keys are errors), and every `ray start` with
+  Serve's settings (`cluster/serve_env.py`);
 - Serve configs (`applications:`): `ServeDeploySchema`, then per application: its import
   path imports, its `args` are a valid `AppConfig` (unknown keys rejected), the request
   router's `RequestRouterConfig` builds (it imports the router class), and the bound application builds;
 - KubeRay `RayService`s: the embedded `serveConfigV2` through the Serve checks, the Ray version
-  pinned by this project, and GPU worker groups large enough for the replicas' tensor parallelism.
+  pinned by this project, Serve's settings in every container's env, and GPU worker groups
+  large enough for the replicas' tensor parallelism.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from cluster.serve_env import SERVE_ENV
 
 MANIFESTS_DIR = Path(__file__).resolve().parent.parent / "manifests"
 
@@ -44,6 +48,11 @@ def check_cluster(doc: dict) -> None:
         validate_config(prepare_config(copy.deepcopy(doc)))
     except Exception as e:  # jsonschema.ValidationError, ValueError: Ray's own messages
         raise ManifestError(f"ray up config: {str(e).splitlines()[0]}") from None
+    for group in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in doc.get(group) or [] if "ray start" in c]
+        missing = sorted({f"{k}={v}" for k, v in SERVE_ENV.items() if not all(f"{k}={v}" in c for c in starts)})
+        if missing:
+            raise ManifestError(f"ray up config: {group} start Ray without Serve's settings {missing} (cluster/serve_env.py)")
 
 
 def _import(path: str) -> Any:
@@ -115,6 +124,12 @@ def check_rayservice(doc: dict) -> None:
         raise ManifestError(f"RayService rayVersion {cluster.get('rayVersion')!r} is not this project's Ray {ray.__version__}")
     if "headGroupSpec" not in cluster:
         raise ManifestError("RayService rayClusterConfig has no headGroupSpec")
+    for where, group in [("headGroupSpec", cluster["headGroupSpec"]), *(("workerGroupSpecs", g) for g in cluster.get("workerGroupSpecs") or [])]:
+        for c in group.get("template", {}).get("spec", {}).get("containers", []):
+            env = {e.get("name"): str(e.get("value")) for e in c.get("env") or []}
+            missing = sorted(k for k, v in SERVE_ENV.items() if env.get(k) != v)
+            if missing:
+                raise ManifestError(f"RayService {where} container {c.get('name')!r} lacks Serve's settings {missing} (cluster/serve_env.py)")
     gpus = [
         int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
         for group in cluster.get("workerGroupSpecs") or []

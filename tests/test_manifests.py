@@ -73,7 +73,17 @@ def _rayservice_other_ray(d):
     d["spec"]["rayClusterConfig"]["rayVersion"] = "2.9.0"
 
 
+def _cluster_worker_without_serve_env(d):
+    d["worker_start_ray_commands"] = [c.replace("RAY_SERVE_PROXY_USE_GRPC=1", "") for c in d["worker_start_ray_commands"]]
+
+
+def _rayservice_head_without_serve_env(d):
+    d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].pop("env")
+
+
 PLANTED = [
+    ("ray-cluster-gcp.yaml", _cluster_worker_without_serve_env, "RAY_SERVE_PROXY_USE_GRPC"),
+    ("rayservice.yaml", _rayservice_head_without_serve_env, "RAY_SERVE_THROUGHPUT_OPTIMIZED"),
     ("ray-cluster-aws.yaml", _cluster_unknown_key, "node_conf"),
     ("ray-cluster-gcp.yaml", _cluster_unknown_key, "node_conf"),
     ("ray-cluster-aws.yaml", _cluster_bad_head, "head_node_type"),

@@ -11,9 +11,11 @@ import time
 import httpx
 import pytest
 
+from cluster.serve_env import serve_environment
 from replicas.engine import cpu_engine_environment
 
 cpu_engine_environment()
+serve_environment()  # as `forespark serve` runs Serve
 
 PORT = 8765
 URL = f"http://127.0.0.1:{PORT}"

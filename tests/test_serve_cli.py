@@ -15,7 +15,8 @@ def test_forespark_serve_starts_serves_and_stops_on_sigterm(tmp_path):
     config.write_text("replica:\n  num_replicas: 1\n  num_cpus: 1\n  served_model_name: embedded\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "8766"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}, "PYTHONPATH": os.getcwd()},
     )
     try:
         deadline = time.time() + 600
@@ -37,6 +38,19 @@ def test_forespark_serve_starts_serves_and_stops_on_sigterm(tmp_path):
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "serving the OpenAI API at http://127.0.0.1:8766/v1" in out and "stopping" in out
+    # The CLI set Serve's throughput mode itself (cluster/serve_env.py): Serve's controller logs what it applied.
+    assert "Throughput optimized Ray Serve enabled" in out and "gRPC communication enabled" in out
+    assert "Direct ingress enabled" not in out
+
+
+def test_serve_environment_sets_defaults_and_keeps_what_the_operator_set(monkeypatch):
+    from cluster.serve_env import SERVE_ENV, serve_environment
+
+    for key in SERVE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")
+    applied = serve_environment()
+    assert applied == {**SERVE_ENV, "RAY_SERVE_PROXY_USE_GRPC": "0"}
 
 
 def test_serve_rejects_an_invalid_config(tmp_path):

@@ -1,0 +1,37 @@
+"""The Ray Serve settings ForeSpark serves with: Serve's throughput-optimized mode, keeping its HTTP proxy.
+
+Serve reads these from the environment when its processes import it, so they
+must be set before `ray.init` starts a local cluster (`forespark serve` does),
+or in the environment of `ray start` on every node (the shipped manifests do).
+
+- `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: Serve's documented high-throughput mode:
+  user code and the handle's router on the replica's own event loop, gRPC
+  between deployments, request-path logs buffered, the GC frozen after start.
+  Each streamed chunk crosses two deployment boundaries (engine replica ->
+  ingress -> proxy); on the 2-core CPU default these hops took as much CPU as
+  both engines together before.
+- `RAY_SERVE_ENABLE_DIRECT_INGRESS=0`: that mode would also move HTTP from the
+  proxy to the ingress replica on a port from 30000 up, which needs HAProxy in
+  front to be reachable on the serving port; we keep the proxy on `--port`.
+- `RAY_SERVE_PROXY_USE_GRPC=1`: the proxy -> ingress hop over gRPC too (Serve
+  derives this flag before applying the throughput mode, so it is set here).
+
+Values already in the environment win, so an operator can turn any of them off.
+"""
+
+from __future__ import annotations
+
+import os
+
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+}
+
+
+def serve_environment() -> dict[str, str]:
+    """Set `SERVE_ENV` where unset; returns the values in effect."""
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in SERVE_ENV}

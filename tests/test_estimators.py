@@ -107,3 +107,22 @@ def test_traces_reject_inconsistent_rows():
     inputs = PreDraftInputs(np.zeros((2, 1)), np.zeros(2))
     with pytest.raises(ValueError):
         Traces(inputs, np.array([1, 1]), np.array([2, 0]), np.array([0, 1]), k=4)
+
+
+def test_distribution_stats_are_each_rows_softmax_entropy_and_max_probability():
+    import torch
+
+    from replicas.wcs.features import distribution_stats
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(7, 50))
+    logits[0] = 0.0  # uniform: entropy log(50), max probability 1/50
+    logits[1, 3] = 100.0  # all mass on one token: entropy 0, max probability 1
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    expected = np.stack([-(p * np.log(np.maximum(p, 1e-300))).sum(axis=1), p.max(axis=1)], axis=1)
+    got = distribution_stats(torch.tensor(logits, dtype=torch.float32)).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert abs(got[0, 0] - np.log(50)) < 1e-4 and abs(got[1, 1] - 1.0) < 1e-5
+    # Rows are summarised independently: a subset gives the same rows.
+    np.testing.assert_allclose(distribution_stats(torch.tensor(logits[[2, 5]], dtype=torch.float32)).numpy(), got[[2, 5]], atol=1e-6)

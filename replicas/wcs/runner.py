@@ -71,7 +71,7 @@ class WCSRunnerMixin:
     wcs: StepController
     wcs_features: FeatureExtractor
     wcs_log: list[StepSample] | None = None  # set to a list to keep every step
-    _wcs_dist: torch.Tensor | None = None
+    _wcs_logits: torch.Tensor | None = None  # the target's logits as sampling got them
     _wcs_step: StepSample | None = None
     _wcs_last: StepSample | None = None  # the last finished step that planned requests
     _wcs_fresh: bool = False
@@ -128,7 +128,9 @@ class WCSRunnerMixin:
             self.wcs.observe_step(last.requests, last.drafted_tokens, last.requests + last.verified_tokens, (now - last.start) * 1e3)
 
     def _sample(self, logits, spec_decode_metadata):
-        self._wcs_dist = distribution_stats(logits) if logits is not None and self.wcs.needs_drafter() else None
+        # The features need one row per request (its newest token), known only after sampling, which may
+        # scale logits in place: keep a copy and summarise just those rows (a fraction of R + verified).
+        self._wcs_logits = logits.clone() if logits is not None and self.wcs.needs_drafter() else None
         return super()._sample(logits, spec_decode_metadata)
 
     def propose_draft_token_ids(self, *args):
@@ -163,7 +165,8 @@ class WCSRunnerMixin:
         # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
         offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])
         rows = torch.from_numpy(offsets + accepted)
-        features = self.wcs_features(sample_hidden_states[rows], self._wcs_dist[rows], generated)
+        logits, self._wcs_logits = self._wcs_logits, None
+        features = self.wcs_features(sample_hidden_states[rows], distribution_stats(logits[rows]), generated)
         draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
         planner_ms = (time.perf_counter() - t0) * 1e3
         drafter = self.drafter

@@ -50,7 +50,7 @@ def check_cluster(doc: dict) -> None:
         raise ManifestError(f"ray up config: {str(e).splitlines()[0]}") from None
     for group in ("head_start_ray_commands", "worker_start_ray_commands"):
         starts = [c for c in doc.get(group) or [] if "ray start" in c]
-        missing = sorted({f"{k}={v}" for k, v in SERVE_ENV.items() if not all(f"{k}={v}" in c for c in starts)})
+        missing = [f"{k}={v}" for k, v in SERVE_ENV.items() if any(f"{k}={v}" not in c for c in starts)]
         if missing:
             raise ManifestError(f"ray up config: {group} start Ray without Serve's settings {missing} (cluster/serve_env.py)")
 

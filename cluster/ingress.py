@@ -79,8 +79,7 @@ class HandleBackend:
     async def _relay(self, gen) -> AsyncIterator[str]:
         try:
             async for lines in gen:
-                for line in lines:
-                    yield line
+                yield "".join(lines)  # one HTTP chunk, and one message to the proxy, per replica batch
         except Exception as e:  # the replica died mid-stream: end the stream properly
             logger.warning("engine stream failed: %s", e)
             err = error_reply(503, f"the engine replica failed mid-stream: {type(e).__name__}", "ServiceUnavailableError")

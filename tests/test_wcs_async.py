@@ -38,6 +38,7 @@ async def scenario():
     result = {}
     try:
         await engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+        await engine.collective_rpc("wcs_set_online_cost", args=(False,))  # it would learn this CPU's drafting costs back
         work = load_workloads()
         prompts = [p.prompt for d in work for p in work[d][:3]]
         greedy = SamplingParams(temperature=0.0, max_tokens=40)

@@ -4,7 +4,8 @@ output distribution, drafting is really ragged, and steps without drafts keep th
 One engine for the module, built from the engine kwargs exactly as the README documents them;
 policies are switched through the workers. Its step-cost model is set to a synthetic one under
 which drafting pays (named `DRAFTING_PAYS` below): on this CPU the profiled model makes `wcs`
-draft little, and a greedy-identity test over steps that never draft would prove nothing.
+draft little, and a greedy-identity test over steps that never draft would prove nothing. The online
+step-cost correction is off but in its own test: it would learn this CPU's drafting costs back.
 """
 
 import numpy as np
@@ -42,6 +43,7 @@ def llm():
         enforce_eager=True,
     )
     engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+    engine.collective_rpc("wcs_set_online_cost", args=(False,))
     return engine
 
 
@@ -117,36 +119,36 @@ def test_ragged_widths_shrink_the_drafters_work(llm):
 
 def test_served_steps_correct_the_step_cost_online(llm):
     """Steps that run back to back feed the online correction (`scheduling/online_cost.py`): the
-    offset the engine reports is the mean excess of their periods over the profile's predictions,
-    recomputed here from the step log. Negative control: with the correction off the profile is
-    served as it is."""
+    offsets the engine reports are those of a correction fed, here, with the step log's rows (R, D,
+    planned target tokens, period, prefill tokens). Negative control: with the correction off the
+    profile is served as it is."""
     from vllm import SamplingParams
+
+    from scheduling.online_cost import OnlineCostModel
 
     prompts = [p.prompt for p in load_workloads()["code"][:8]]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     llm.collective_rpc("wcs_set_policy", args=("wcs",))
     llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))  # a fresh correction
+    llm.collective_rpc("wcs_set_online_cost", args=(True,))
     llm.collective_rpc("wcs_step_log", args=(True,))
     llm.generate(prompts, params, use_tqdm=False)
     steps = llm.collective_rpc("wcs_step_log", args=(False,))[0]
-    offset = stats(llm).step_cost_offset_ms
-    residuals = [
-        (nxt["start"] - s["start"]) * 1e3 - DRAFTING_PAYS.step_ms(s["requests"], s["drafted_tokens"], s["requests"] + s["verified_tokens"])
-        for s, nxt in zip(steps, steps[1:])
-        if s["planned"] and set(s["planned"]) & set(nxt["planned"])
-    ]
-    fed = len(residuals) // 16 * 16  # the correction is refreshed every 16 steps, over the last 128
-    assert fed >= 32
-    expected = max(float(np.mean(residuals[max(0, fed - 128) : fed])), -DRAFTING_PAYS.intercept_ms)
-    assert abs(expected) > 0.5 and offset == pytest.approx(expected, abs=0.5)
+    reported = stats(llm)
+    replay = OnlineCostModel(DRAFTING_PAYS)
+    for s, nxt in zip(steps, steps[1:]):
+        if s["planned"] and set(s["planned"]) & set(nxt["planned"]):
+            planned = s["requests"] + s["verified_tokens"]
+            replay.observe(s["requests"], s["drafted_tokens"], planned, (nxt["start"] - s["start"]) * 1e3, s["target_tokens"] - planned)
+    assert replay.seen >= 32
+    assert max(abs(replay.offset_ms), abs(replay.launch_offset_ms)) > 0.5  # something was corrected
+    assert reported.step_cost_offset_ms == pytest.approx(replay.offset_ms, abs=1e-6)
+    assert reported.launch_offset_ms == pytest.approx(replay.launch_offset_ms, abs=1e-6)
 
-    llm.collective_rpc("wcs_set_online_cost", args=(False,))
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-        assert stats(llm).step_cost_offset_ms == 0.0
-    finally:
-        llm.collective_rpc("wcs_set_online_cost", args=(True,))
-        llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+    llm.collective_rpc("wcs_set_online_cost", args=(False,))  # also the module's setting, restored here
+    llm.generate(prompts, params, use_tqdm=False)
+    assert stats(llm).step_cost_offset_ms == 0.0 and stats(llm).launch_offset_ms == 0.0
+    llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
 
 
 def _later_position_acceptance(llm, policy, profiling_seed=None):

@@ -103,17 +103,26 @@ class StepController:
 
     @property
     def cost_offset_ms(self) -> float:
-        """What the online correction adds to the profiled step cost now."""
+        """What the online correction adds to the profiled intercept now."""
         return 0.0 if self._online is None else self._online.offset_ms
 
-    def observe_step(self, requests: int, drafted: int, target: int, period_ms: float) -> None:
+    @property
+    def launch_offset_ms(self) -> float:
+        """What the online correction adds to the profiled drafter launch cost now."""
+        return 0.0 if self._online is None else self._online.launch_offset_ms
+
+    def observe_step(self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0) -> None:
         """A served step (see `OnlineCostModel.observe`). Profiling steps are not fed: the profile is fitted on
         them. Without `config.online_cost` the profile alone prices steps."""
         online = self._online
         if online is not None and self.profiling is None and self.config.online_cost:
-            online.observe(requests, drafted, target, period_ms)
+            online.observe(requests, drafted, target, period_ms, prefill)
             if online.seen % 1024 == 0:
-                logger.info("step cost online: %+.1f ms on the profiled intercept", online.offset_ms)
+                logger.info(
+                    "step cost online: %+.1f ms on the profiled intercept, %+.1f ms on the drafter launch",
+                    online.offset_ms,
+                    online.launch_offset_ms,
+                )
 
     def observe(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> None:
         """The scheduler verified `verified[i]` of request i's last drafts and `accepted[i]` were accepted."""

@@ -125,7 +125,9 @@ class WCSRunnerMixin:
         requests run on), so that the period is all engine work and no idling."""
         last, self._wcs_last = self._wcs_last, None
         if last is not None and not scheduled.keys().isdisjoint(last.planned):
-            self.wcs.observe_step(last.requests, last.drafted_tokens, last.requests + last.verified_tokens, (now - last.start) * 1e3)
+            planned = last.requests + last.verified_tokens
+            period_ms = (now - last.start) * 1e3
+            self.wcs.observe_step(last.requests, last.drafted_tokens, planned, period_ms, last.target_tokens - planned)
 
     def _sample(self, logits, spec_decode_metadata):
         # The features need one row per request (its newest token), known only after sampling, which may

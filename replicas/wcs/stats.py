@@ -21,7 +21,8 @@ class WCSStats(BaseModel):
     draft_ms: float = 0.0
     target_ms: float = 0.0  # the target's forward pass and sampling
     step_ms: float = 0.0  # whole runner steps (target + drafting + planning + bookkeeping)
-    step_cost_offset_ms: float = 0.0  # a gauge: what the online correction adds to the profiled step cost
+    step_cost_offset_ms: float = 0.0  # a gauge: what the online correction adds to the profiled intercept
+    launch_offset_ms: float = 0.0  # a gauge: ... and to the profiled drafter launch cost
 
     def model_post_init(self, _) -> None:
         for name in ("drafted_per_pos", "verified_per_pos", "accepted_per_pos"):
@@ -67,7 +68,7 @@ class WCSStats(BaseModel):
         for name, value in self:
             if isinstance(value, list):
                 setattr(out, name, [a - b for a, b in zip(value, getattr(other, name))])
-            elif isinstance(value, (int, float)) and name not in ("k", "step_cost_offset_ms"):
+            elif isinstance(value, (int, float)) and name not in ("k", "step_cost_offset_ms", "launch_offset_ms"):
                 setattr(out, name, value - getattr(other, name))
         return out
 

@@ -57,6 +57,7 @@ class WCSWorker(_PlatformWorker):
     def wcs_stats(self) -> dict:
         ctl = self._wcs
         ctl.stats.step_cost_offset_ms = ctl.cost_offset_ms
+        ctl.stats.launch_offset_ms = ctl.launch_offset_ms
         return ctl.stats.model_dump()
 
     def wcs_batch_acceptance(self) -> float:

@@ -86,7 +86,7 @@ class OnlineCostModel:
         n = min(self.seen, len(self._y))
         x, y = self._x[:n], self._y[:n]
         prior = np.diag([0.0, self.prior_weight, self.prior_weight])
-        coef = np.linalg.solve(x.T @ x + prior + 1e-9 * np.eye(3), x.T @ y)
+        coef = np.linalg.solve(x.T @ x + prior, x.T @ y)  # positive definite: n > 0 on the constant, the prior on the rest
         fixed = float(coef[0] + coef[2] * x[:, 2].mean())
         # The served model must stay a step-cost model: a non-negative intercept and launch cost. Plain floats:
         # the offsets travel in the engine's stats, and vLLM's serialiser refuses numpy scalars.

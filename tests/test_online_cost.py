@@ -13,21 +13,19 @@ PROFILE = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.5, per_draft_
 
 def feed(online: OnlineCostModel, steps: int, extra_ms, seed: int = 0, draft_share: float = 0.5, prefill_share: float = 0.0) -> None:
     """Steps of random shape (some drafting, some with prefill chunks) whose periods are the profile's
-    prediction plus `extra_ms(rng)`, or `extra_ms(rng, drafted, prefill)` when it takes three arguments."""
+    prediction plus `extra_ms(rng, drafted, prefill)`."""
     rng = np.random.default_rng(seed)
-    per_step = extra_ms.__code__.co_argcount == 3
     for _ in range(steps):
         r = int(rng.integers(1, 16))
         d = int(rng.integers(1, 8 * r + 1)) if rng.random() < draft_share else 0
         n = r + int(rng.integers(0, d + 1))
         p = int(rng.integers(1, 200)) if rng.random() < prefill_share else 0
-        extra = extra_ms(rng, d, p) if per_step else extra_ms(rng)
-        online.observe(r, d, n, PROFILE.step_ms(r, d, n) + extra, p)
+        online.observe(r, d, n, PROFILE.step_ms(r, d, n) + extra_ms(rng, d, p), p)
 
 
 def test_steps_longer_than_profiled_move_the_intercept_by_their_mean_excess():
     online = OnlineCostModel(PROFILE)
-    feed(online, 256, lambda rng: 25.0 + rng.normal(0.0, 5.0))
+    feed(online, 256, lambda rng, d, p: 25.0 + rng.normal(0.0, 5.0))
     assert online.offset_ms == pytest.approx(25.0, abs=1.5)
     served = online.model
     assert served.intercept_ms == pytest.approx(PROFILE.intercept_ms + online.offset_ms)
@@ -74,28 +72,28 @@ def test_few_drafting_steps_move_the_launch_cost_little_and_none_hand_it_back_to
     few = OnlineCostModel(PROFILE, window=64)
     feed(few, 128, lambda rng, d, p: 10.0 if d else 0.0, draft_share=0.05)
     assert 0.0 < few.launch_offset_ms < 0.6 * many.launch_offset_ms
-    feed(many, 64, lambda rng: 0.0, seed=1, draft_share=0.0)
+    feed(many, 64, lambda rng, d, p: 0.0, seed=1, draft_share=0.0)
     assert many.launch_offset_ms == 0.0 and many.model.draft_launch_ms == PROFILE.draft_launch_ms
 
 
 def test_steps_as_profiled_leave_the_profile_in_place():
     """Negative control: nothing to correct, nothing corrected."""
     online = OnlineCostModel(PROFILE)
-    feed(online, 256, lambda rng: rng.normal(0.0, 0.1))
+    feed(online, 256, lambda rng, d, p: rng.normal(0.0, 0.1))
     assert online.model is PROFILE and online.offset_ms == 0.0
 
 
 def test_the_window_forgets_older_steps():
     online = OnlineCostModel(PROFILE, window=64, refresh_every=16)
-    feed(online, 64, lambda rng: 40.0)
+    feed(online, 64, lambda rng, d, p: 40.0)
     assert online.offset_ms == pytest.approx(40.0)
-    feed(online, 64, lambda rng: 5.0, seed=1)
+    feed(online, 64, lambda rng, d, p: 5.0, seed=1)
     assert online.offset_ms == pytest.approx(5.0, abs=0.1)
 
 
 def test_faster_steps_than_profiled_never_take_the_intercept_below_zero():
     online = OnlineCostModel(PROFILE)
-    feed(online, 64, lambda rng: -50.0)
+    feed(online, 64, lambda rng, d, p: -50.0)
     assert online.model.intercept_ms == 0.0 and online.offset_ms == -PROFILE.intercept_ms
 
 
@@ -106,11 +104,11 @@ def test_a_longer_fixed_step_cost_makes_the_planner_draft_more():
     survival = np.cumprod(rng.uniform(0.3, 0.8, size=(12, 8)), axis=1)
     online = OnlineCostModel(PROFILE)
     idle = plan_step(survival, online.model).draft.sum()
-    feed(online, 128, lambda rng: 60.0)
+    feed(online, 128, lambda rng, d, p: 60.0)
     loaded = plan_step(survival, online.model).draft.sum()
     assert loaded > idle
     control = OnlineCostModel(PROFILE)
-    feed(control, 128, lambda rng: 0.0)
+    feed(control, 128, lambda rng, d, p: 0.0)
     assert plan_step(survival, control.model).draft.sum() == idle
 
 

@@ -60,10 +60,14 @@ class CompareResult(BaseModel):
     ratios: dict[str, float | None]
 
 
-def variant_app_config(base: dict[str, Any], variant: Variant) -> dict[str, Any]:
-    """`base` (an AppConfig as a dict) with the variant's policy, step-cost pricing and router."""
+def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig | None = None) -> dict[str, Any]:
+    """`base` (an AppConfig as a dict) with the variant's policy, step-cost pricing and router; the replicas
+    measure their headroom against the TPOT SLO the load test checks."""
     config = yaml.safe_load(yaml.safe_dump(base or {}))
-    engine = config.setdefault("replica", {}).setdefault("engine", {})
+    replica = config.setdefault("replica", {})
+    if slo is not None and slo.tpot_ms is not None:
+        replica["tpot_slo_ms"] = slo.tpot_ms
+    engine = replica.setdefault("engine", {})
     engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost)
     config.setdefault("router", {})["kind"] = variant.router
     return config
@@ -159,7 +163,7 @@ def compare(
             work = Path(base_load.out_dir) / name / f"repeat-{rep}"
             work.mkdir(parents=True, exist_ok=True)
             log(f"== {name} (repeat {rep + 1}/{repeats}): policy {variant.policy}, router {variant.router}; starting the server")
-            with start_server(variant_app_config(base_app, variant), work) as url:
+            with start_server(variant_app_config(base_app, variant, slo), work) as url:
                 load = base_load.model_copy(update={"url": url, "out_dir": work})
                 last[name] = search_capacity(load, slo, start_rate, bisect_steps, on_probe=lambda p: log("   " + format_probe(p)))
             rates[name].append(last[name].max_rate)

@@ -60,7 +60,7 @@ class ReplicaConfig(BaseModel):
     autoscaling: AutoscalingBounds | None = Field(default=None, description="Serve autoscaling bounds; None: num_replicas fixed")
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests in flight per replica")
     max_queued_requests: int = Field(default=256, ge=1, description="requests waiting at each caller beyond those")
-    tpot_slo_ms: float = Field(default=100.0, gt=0, description="TPOT SLO: defines the router's headroom")
+    tpot_slo_ms: float = Field(default=20.0, gt=0, description="TPOT SLO: defines the router's headroom")
     stats_period_s: float = Field(default=1.0, gt=0, description="routing stats and metrics refresh period")
     stream_batch_ms: float = Field(default=10.0, ge=0, description="SSE lines are sent to the ingress in batches this old")
 

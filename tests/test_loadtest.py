@@ -180,6 +180,7 @@ def test_compare_searches_every_variant_per_round_and_reports_ratios_of_medians(
         key = (app_config["replica"]["engine"]["wcs"]["policy"], app_config["router"]["kind"])
         started.append((served[key], *key))
         assert app_config["replica"]["num_replicas"] == 3  # the base config is kept
+        assert app_config["replica"]["tpot_slo_ms"] == 37.0  # the replicas' headroom uses the load test's TPOT SLO
         yield f"http://stand-in/{served[key]}"
 
     def fake_capacity(load, slo, start_rate, bisect_steps, on_probe=None):
@@ -189,7 +190,8 @@ def test_compare_searches_every_variant_per_round_and_reports_ratios_of_medians(
 
     base = LoadTestConfig(url="http://unused", rate=1.0, duration_s=1.0, out_dir=tmp_path)
     result = compare(
-        base, SLOConfig(), ["wcs", "dspark", "wcs-pow2"], {"replica": {"num_replicas": 3}}, fake_server, 1.0,
+        base, SLOConfig(tpot_ms=37.0), ["wcs", "dspark", "wcs-pow2"], {"replica": {"num_replicas": 3, "tpot_slo_ms": 50}},
+        fake_server, 1.0,
         repeats=3, log=lambda _: None, search_capacity=fake_capacity,
     )
     assert [s[0] for s in started] == ["wcs", "dspark", "wcs-pow2"] * 3

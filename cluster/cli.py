@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp_ = sub.add_parser("compare", help="capacity of each variant (policy x router), each on a freshly started application")
     cmp_.add_argument("--variants", type=lambda t: tuple(v.strip() for v in t.split(",")), default=("wcs", "dspark", "ar", "wcs-pow2"),
-                      help="comma-separated: wcs, dspark (start-up step-cost profile only and no TPOT slack cap, as vLLM's adaptive verification), "
+                      help="comma-separated: wcs, dspark (start-up step-cost profile only, as vLLM's adaptive verification), "
                            "dspark-online (dspark with the online step-cost correction WCS uses), ar (router ours), "
                            "wcs-pow2 (Serve's power-of-two router)")
     cmp_.add_argument("--config", metavar="PATH", help="base application config (AppConfig YAML); variants set policy and router")

@@ -33,14 +33,13 @@ class Variant(BaseModel):
     policy: str
     router: str
     online_cost: bool = True  # the engine corrects its profiled step cost while serving (WCSConfig.online_cost)
-    slo_step_cap: bool = True  # steps are capped by the requests' TPOT slack (WCSConfig.slo_step_cap)
 
 
 VARIANTS = {
     "wcs": Variant(name="wcs", policy="wcs", router="acceptance_headroom"),
-    # vLLM's adaptive verification prices steps with its start-up profile only and knows no SLO.
-    "dspark": Variant(name="dspark", policy="dspark", router="acceptance_headroom", online_cost=False, slo_step_cap=False),
-    "dspark-online": Variant(name="dspark-online", policy="dspark", router="acceptance_headroom", slo_step_cap=False),
+    # vLLM's adaptive verification prices steps with its start-up profile only.
+    "dspark": Variant(name="dspark", policy="dspark", router="acceptance_headroom", online_cost=False),
+    "dspark-online": Variant(name="dspark-online", policy="dspark", router="acceptance_headroom"),
     "ar": Variant(name="ar", policy="ar", router="acceptance_headroom"),
     "wcs-pow2": Variant(name="wcs-pow2", policy="wcs", router="pow2"),
 }
@@ -69,7 +68,7 @@ def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig | 
     if slo is not None and slo.tpot_ms is not None:
         replica["tpot_slo_ms"] = slo.tpot_ms
     engine = replica.setdefault("engine", {})
-    engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost, slo_step_cap=variant.slo_step_cap)
+    engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost)
     config.setdefault("router", {})["kind"] = variant.router
     return config
 

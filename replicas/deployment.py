@@ -66,13 +66,10 @@ class ReplicaConfig(BaseModel):
 
     def replica_engine(self) -> EngineConfig:
         """The engine config as a replica runs it: tensor parallelism over GPUs through Ray (the replica's
-        placement group); WCS capping steps by the requests' slack against the replica's TPOT SLO."""
+        placement group)."""
         engine = self.engine
         if self.accelerator == "gpu" and engine.tensor_parallel_size > 1 and engine.distributed_executor_backend is None:
             engine = engine.model_copy(update={"distributed_executor_backend": "ray"})
-        wcs = engine.wcs
-        if wcs is not None and wcs.slo_step_cap and wcs.tpot_slo_ms is None:
-            engine = engine.model_copy(update={"wcs": wcs.model_copy(update={"tpot_slo_ms": self.tpot_slo_ms})})
         return engine
 
 

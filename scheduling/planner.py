@@ -60,11 +60,10 @@ def plan_step(
     `validate=False` skips `check_survival` for curves built by
     `survival_from_hazards`.
 
-    The batch's mean time per output token is T * R / (R + sum gains), R over
-    the objective, so the argmax is also the plan with the lowest mean TPOT.
-    A request that is not drafted for still waits the whole step for its one
-    token: under a TPOT SLO the caller caps T by the requests' own slack
-    (`scheduling.tpot_slack`).
+    A TPOT SLO needs no cap here: the batch's mean time per output token is
+    T * R / (R + sum gains), R over the objective, so the argmax is also the
+    plan with the lowest mean TPOT. Capping T at the SLO would instead forbid
+    long steps that give each request several tokens.
     """
     survival = np.asarray(survival)
     if validate:

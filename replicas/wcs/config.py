@@ -26,15 +26,8 @@ class WCSConfig(BaseModel):
     max_step_ms: float | None = Field(
         default=None,
         gt=0,
-        description="caps predicted step time: a fixed inter-token latency bound (tpot_slo_ms sets one per step from the requests' slack)",
+        description="caps predicted step time (an inter-token latency bound); a TPOT SLO needs no cap: see planner.py",
     )
-    tpot_slo_ms: float | None = Field(
-        default=None,
-        gt=0,
-        description="requests' TPOT SLO: each step's drafting is capped by the running requests' slack against it "
-        "(scheduling/tpot_slack.py); a replica sets its tpot_slo_ms here unless slo_step_cap is off",
-    )
-    slo_step_cap: bool = Field(default=True, description="take the serving replica's TPOT SLO as tpot_slo_ms")
     online_cost: bool = Field(
         default=True,
         description="correct the profiled step cost by measured step periods while serving (scheduling/online_cost.py)",

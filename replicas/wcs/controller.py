@@ -11,7 +11,6 @@ and the allocator.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,6 @@ from scheduling.online_cost import OnlineCostModel
 from scheduling.planner import DraftPlan
 from scheduling.policies import Policy, PolicyName, StepLimits
 from scheduling.survival import hazards_from_survival
-from scheduling.tpot_slack import TPOTSlack
 from scheduling.traces import PreDraftInputs, Traces
 
 logger = logging.getLogger(__name__)
@@ -56,8 +54,6 @@ def fit_estimators(config: WCSConfig, k: int) -> tuple[SurvivalEstimator, PostDr
 
 
 class StepController:
-    clock: Callable[[], float] = staticmethod(time.perf_counter)  # seconds; what TPOT slack is timed with
-
     def __init__(
         self,
         config: WCSConfig,
@@ -74,13 +70,11 @@ class StepController:
         self.cost = cost
         self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms)
         self.tracker = AcceptanceTracker(k, config.history_decay)
-        self.slack = TPOTSlack(config.tpot_slo_ms) if config.tpot_slo_ms is not None else None
         self.set_policy(config.policy)
         self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
         self.profiling_skip = 0.25  # ... and this share of those steps drafting nothing
         self.recorded: list[Traces] | None = None  # verdict rows, when recording traces
         self._plan: DraftPlan | None = None
-        self._limits = self.limits  # this step's, with its TPOT slack cap
         self._req_ids: list[str] = []
         self._inputs: PreDraftInputs | None = None
         self._survival = np.zeros((0, k))  # pre-draft survival the plan was made on
@@ -150,15 +144,11 @@ class StepController:
         features: np.ndarray | None,
         max_width: np.ndarray,
         share: Callable[[Any], Any] | None = None,
-        generated: np.ndarray | None = None,
-        left: np.ndarray | None = None,
     ) -> np.ndarray:
         """Draft widths d_i <= max_width_i (0 for requests that cannot use a draft now).
 
         `features` may be None only when `needs_drafter()` is False. `share` makes every
         tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`).
-        `generated` and `left` (output tokens so far and still allowed, per request) let a TPOT SLO
-        cap the step (`config.tpot_slo_ms`).
         """
         self._plan = None
         self._inputs = None
@@ -173,9 +163,7 @@ class StepController:
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
             else:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
-                self._plan = self.policy.plan(
-                    survival, self.cost_model, self._step_limits(req_ids, generated, left), max_width, validate=False
-                )
+                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width, validate=False)
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
@@ -184,18 +172,6 @@ class StepController:
         self.stats.planned_requests += len(req_ids)
         self.stats.add_positions("drafted_per_pos", self._draft)
         return self._draft
-
-    def _step_limits(self, req_ids: list[str], generated: np.ndarray | None, left: np.ndarray | None) -> StepLimits:
-        """The system limits, with the step-time cap tightened to the requests' TPOT slack."""
-        self._limits = self.limits
-        if self.slack is None or generated is None or left is None or not req_ids:
-            return self._limits
-        b = len(req_ids)
-        slo_cap = self.slack.step_cap_ms(req_ids, generated, left, self.clock() * 1e3, self.cost_model.step_ms(b, 0, b))
-        if slo_cap is not None and (self.limits.time_cap_ms is None or slo_cap < self.limits.time_cap_ms):
-            self._limits = self.limits.model_copy(update={"time_cap_ms": slo_cap})
-            self.stats.slo_capped_steps += 1
-        return self._limits
 
     def needs_drafter(self) -> bool:
         """False when no request ever drafts under this policy (`ar`): the drafter need not run at all,
@@ -219,7 +195,7 @@ class StepController:
         if self._plan is None:
             return np.zeros_like(draft)
         post = self.calibrator.survival(confidence, prior, draft)
-        return self.policy.verify(post, self._plan, self.cost_model, self._limits)
+        return self.policy.verify(post, self._plan, self.cost_model, self.limits)
 
     def predicted_accept_len(self) -> float:
         """Mean predicted accepted length (1 + expected accepted drafts at full width) over the last
@@ -230,5 +206,3 @@ class StepController:
 
     def finish(self, req_ids) -> None:
         self.tracker.forget(req_ids)
-        if self.slack is not None:
-            self.slack.forget(req_ids)

@@ -158,9 +158,7 @@ class WCSRunnerMixin:
 
         states = [self.requests[r] for r in req_ids]
         generated = np.array([len(s.output_token_ids) for s in states]) + emitted
-        left = np.array([s.sampling_params.max_tokens or 0 for s in states], dtype=np.int64) - generated
-        prefilling = self.discard_request_mask.np[:batch].astype(bool)  # a partial prefill's sample is discarded
-        max_width = self._wcs_max_width(states, left, emitted, prefilling, k)
+        max_width = self._wcs_max_width(states, generated, emitted, batch, k)
         if not ctl.needs_drafter():
             # No request ever drafts under this policy (`ar`): no features, no drafter, no context K/V.
             ctl.plan(req_ids, None, max_width)
@@ -171,9 +169,7 @@ class WCSRunnerMixin:
         rows = torch.from_numpy(offsets + accepted)
         logits, self._wcs_logits = self._wcs_logits, None
         features = self.wcs_features(sample_hidden_states[rows], distribution_stats(logits[rows]), generated)
-        draft = ctl.plan(
-            req_ids, features, max_width, share=share_from_first_rank, generated=np.where(prefilling, 0, generated), left=left
-        )
+        draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
         planner_ms = (time.perf_counter() - t0) * 1e3
         drafter = self.drafter
         if not draft.any():
@@ -222,16 +218,17 @@ class WCSRunnerMixin:
             cad.slot_mapping[:n],
         )
 
-    def _wcs_max_width(self, states, left: np.ndarray, emitted: np.ndarray, prefilling: np.ndarray, k: int) -> np.ndarray:
+    def _wcs_max_width(self, states, generated: np.ndarray, emitted: np.ndarray, batch: int, k: int) -> np.ndarray:
         """Widest useful draft per request: 0 while prefilling or without drafter context, never past
-        max_tokens (`left` more tokens) or the context."""
+        max_tokens or the context."""
+        max_tokens = np.array([s.sampling_params.max_tokens or 0 for s in states], dtype=np.int64)
         context = np.array([s.num_tokens for s in states], dtype=np.int64) + emitted
-        room = np.minimum(left, self.max_model_len - context) - 1
+        room = np.minimum(max_tokens - generated, self.max_model_len - context) - 1
         width = np.clip(room, 0, k)
-        width[prefilling] = 0
+        width[self.discard_request_mask.np[:batch].astype(bool)] = 0
         lost = self.drafter.context_lost
         if lost:
-            width[[n for n, r in enumerate(self.input_batch.req_ids[: len(states)]) if r in lost]] = 0
+            width[[n for n, r in enumerate(self.input_batch.req_ids[:batch]) if r in lost]] = 0
         return width
 
     def _wcs_record(self, planner_ms: float, draft_ms: float, drafted: int, req_ids: list[str]) -> None:

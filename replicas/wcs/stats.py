@@ -14,7 +14,6 @@ class WCSStats(BaseModel):
     drafted_per_pos: list[int] = Field(default_factory=list)  # requests that drafted position j
     verified_per_pos: list[int] = Field(default_factory=list)  # ... whose position j was verified
     accepted_per_pos: list[int] = Field(default_factory=list)  # ... whose first j drafts were accepted
-    slo_capped_steps: int = 0  # steps whose step-time cap came from the requests' TPOT slack
     verify_steps: int = 0  # request-steps that verified at least one draft
     drafter_passes: int = 0  # steps whose drafter ran its forward pass (not only the context K/V)
     drafter_rows: int = 0  # query rows those passes ran (sum of 1 + d_i): the drafter's real work

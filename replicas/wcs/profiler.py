@@ -30,12 +30,16 @@ def cache_dir() -> Path:
 
 
 def _machine() -> str:
+    """The machine and the threads this process's torch runs on (a Ray actor gets `num_cpus` of them, a
+    plain process all cores): step costs differ with either."""
+    import torch
+
     cpu = platform.processor()
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{platform.machine()}|{cpu}|{os.cpu_count()}"
+    return f"{platform.machine()}|{cpu}|{os.cpu_count()}|{torch.get_num_threads()} threads"
 
 
 def with_cost_model(config):

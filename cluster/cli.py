@@ -221,6 +221,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("forespark compare: --repeats must be >= 1", file=sys.stderr)
         return 2
+    if args.warmup < 0:
+        print("forespark compare: --warmup must be >= 0", file=sys.stderr)
+        return 2
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         print(f"forespark compare: unknown variants {unknown}; choose from {','.join(VARIANTS)}", file=sys.stderr)
@@ -236,7 +239,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if (inputs := _load_inputs(args, f"http://127.0.0.1:{args.port}", args.start_rate)) is None:
         return 2
     base, slo = inputs
-    result = compare(base, slo, list(args.variants), base_app, local_servers(args.port), args.start_rate, args.bisect_steps, args.repeats)
+    result = compare(base, slo, list(args.variants), base_app, local_servers(args.port), args.start_rate, args.bisect_steps, args.repeats,
+                     warmup_s=args.warmup)
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
     print(f"wrote {Path(args.out) / 'compare.png'}")
@@ -425,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
     cmp_.add_argument("--bisect-steps", type=int, default=3)
     cmp_.add_argument("--repeats", type=int, default=1, help="rounds over all variants; rates are medians over rounds")
+    cmp_.add_argument("--warmup", type=float, default=10.0, metavar="SECONDS",
+                      help="load at the start rate after each server start, not counted (0: none)")
     _add_load_options(cmp_, "results/compare", 30.0)
     cmp_.set_defaults(func=cmd_compare)
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from loadtest.capacity import CapacityResult, capacity, format_probe
 from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.run import run_loadtest
 
 
 class Variant(BaseModel):
@@ -129,6 +130,11 @@ def ratio(variants: dict[str, VariantResult], a: str, b: str) -> float | None:
 
 ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[str]]  # (app config, work dir) -> a running server's URL
 CapacitySearch = Callable[..., CapacityResult]  # loadtest.capacity.capacity's signature
+WarmUp = Callable[[LoadTestConfig, SLOConfig], float]  # runs a load, returns its attainment
+
+
+def warm_up(load: LoadTestConfig, slo: SLOConfig) -> float:
+    return run_loadtest(load, slo, progress=False, plots=False).attainment
 
 
 def local_servers(port: int) -> ServerStarter:
@@ -153,8 +159,15 @@ def compare(
     repeats: int = 1,
     log: Callable[[str], None] = print,
     search_capacity: CapacitySearch = capacity,
+    warmup_s: float = 10.0,
+    warm: WarmUp = warm_up,
 ) -> CompareResult:
-    """Each repeat searches every variant once, in turn; a variant's rate is the median over repeats."""
+    """Each repeat searches every variant once, in turn; a variant's rate is the median over repeats.
+
+    A fresh server first gets `warmup_s` seconds of load at `start_rate`, not counted: the first
+    seconds after a start miss SLOs for reasons no variant owns (first touches of the KV cache, the
+    router's first stats), and they would otherwise fall on whichever probe comes first.
+    """
     rates: dict[str, list[float]] = {name: [] for name in variants}
     last: dict[str, CapacityResult] = {}
     for rep in range(repeats):
@@ -165,6 +178,12 @@ def compare(
             log(f"== {name} (repeat {rep + 1}/{repeats}): policy {variant.policy}, router {variant.router}; starting the server")
             with start_server(variant_app_config(base_app, variant, slo), work) as url:
                 load = base_load.model_copy(update={"url": url, "out_dir": work})
+                if warmup_s > 0:
+                    warm_load = load.model_copy(
+                        update={"rate": start_rate, "duration_s": warmup_s, "drain_s": warmup_s, "seed": load.seed + 1, "out_dir": work / "warm-up"}
+                    )
+                    attained = warm(warm_load, slo)
+                    log(f"   warm-up: {warmup_s:g} s at {start_rate:g} req/s, not counted (attainment {attained:.1%})")
                 last[name] = search_capacity(load, slo, start_rate, bisect_steps, on_probe=lambda p: log("   " + format_probe(p)))
             rates[name].append(last[name].max_rate)
             log(f"   {name}: max sustainable rate {last[name].max_rate:.3g} req/s")

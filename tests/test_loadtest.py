@@ -188,13 +188,24 @@ def test_compare_searches_every_variant_per_round_and_reports_ratios_of_medians(
         rep = int(load.out_dir.name.split("-")[1])
         return CapacityResult(max_rate=rounds[name][rep], slo=slo, path=[])
 
+    warmed: list[tuple[str, float, float]] = []
+
+    def fake_warm_up(load, slo):
+        warmed.append((load.url.rsplit("/", 1)[1], load.rate, load.duration_s))
+        return 0.5
+
     base = LoadTestConfig(url="http://unused", rate=1.0, duration_s=1.0, out_dir=tmp_path)
     result = compare(
         base, SLOConfig(tpot_ms=37.0), ["wcs", "dspark", "wcs-pow2"], {"replica": {"num_replicas": 3, "tpot_slo_ms": 50}},
-        fake_server, 1.0,
-        repeats=3, log=lambda _: None, search_capacity=fake_capacity,
+        fake_server, 1.5,
+        repeats=3, log=lambda _: None, search_capacity=fake_capacity, warmup_s=7.0, warm=fake_warm_up,
     )
     assert [s[0] for s in started] == ["wcs", "dspark", "wcs-pow2"] * 3
+    assert warmed == [(name, 1.5, 7.0) for name in ["wcs", "dspark", "wcs-pow2"] * 3]  # each fresh server, at the start rate
+    warmed.clear()
+    compare(base, SLOConfig(tpot_ms=37.0), ["wcs"], {"replica": {"num_replicas": 3}}, fake_server, 1.5, log=lambda _: None,
+            search_capacity=fake_capacity, warmup_s=0.0, warm=fake_warm_up)
+    assert warmed == []
     assert {name: v.max_rates for name, v in result.variants.items()} == rounds
     assert (result.variants["wcs"].max_rate, result.variants["dspark"].max_rate, result.variants["wcs-pow2"].max_rate) == (7.0, 4.0, 5.0)
     assert result.ratios["wcs_vs_dspark"] == pytest.approx(7 / 4) and result.ratios["router_vs_pow2"] == pytest.approx(7 / 5)

@@ -269,22 +269,16 @@ def test_a_planted_lossy_verifier_is_rejected(llm, ar_samples, monkeypatch):
     assert homogeneity_pvalue(samples, ar_samples) < 1e-6
 
 
-def test_cached_profiles_are_kept_apart_by_torch_threads(tmp_path, monkeypatch):
-    """A serving replica runs torch on its `num_cpus` threads, a benchmark on all cores: one profile must
-    not price the other's steps."""
-    import torch
-
+def test_cached_profiles_are_kept_apart_by_cpu_threads(tmp_path, monkeypatch):
+    """A serving replica runs on its `num_cpus` threads (Ray sets OMP_NUM_THREADS), a benchmark on all
+    cores: one profile must not price the other's steps."""
     from replicas.engine import EngineConfig
     from replicas.wcs.profiler import with_cost_model
 
     monkeypatch.setenv("FORESPARK_CACHE", str(tmp_path))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = with_cost_model(EngineConfig()).wcs.cost_model
-        torch.set_num_threads(2)
-        two = with_cost_model(EngineConfig()).wcs.cost_model
-        assert with_cost_model(EngineConfig()).wcs.cost_model == two  # the same setting finds the same profile
-    finally:
-        torch.set_num_threads(threads)
-    assert one != two and one.parent == two.parent == tmp_path / "step_cost"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = with_cost_model(EngineConfig()).wcs.cost_model
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    every = with_cost_model(EngineConfig()).wcs.cost_model
+    assert with_cost_model(EngineConfig()).wcs.cost_model == every  # the same setting finds the same profile
+    assert one != every and one.parent == every.parent == tmp_path / "step_cost"

@@ -30,16 +30,14 @@ def cache_dir() -> Path:
 
 
 def _machine() -> str:
-    """The machine and the threads this process's torch runs on (a Ray actor gets `num_cpus` of them, a
-    plain process all cores): step costs differ with either."""
-    import torch
-
+    """The machine and the CPU threads the engine is given: Ray sets OMP_NUM_THREADS to an actor's
+    `num_cpus`, a plain process leaves it unset and runs on all cores; step costs differ."""
     cpu = platform.processor()
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{platform.machine()}|{cpu}|{os.cpu_count()}|{torch.get_num_threads()} threads"
+    return f"{platform.machine()}|{cpu}|{os.cpu_count()}|OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
 
 
 def with_cost_model(config):

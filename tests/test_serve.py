@@ -153,7 +153,7 @@ def test_the_router_sends_new_requests_away_from_a_loaded_replica(app):
     ranked = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="ranked")
     assert ranked[""] >= 1
     loaded, idle = sorted(replica_actors())
-    load_directly(replica_actors()[loaded], requests=24, max_tokens=600)
+    load_directly(replica_actors()[loaded], requests=24, max_tokens=1000)  # long enough to outlast the check on a fast machine
     wait_for(lambda: metric(metrics(), "vllm:num_requests_running").get(loaded, 0) >= 20)
     time.sleep(2.0)  # two stats periods: the router has seen the load
     before = metric(metrics(), "vllm:request_success_total", finished_reason="length")

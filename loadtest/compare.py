@@ -61,12 +61,12 @@ class CompareResult(BaseModel):
     ratios: dict[str, float | None]
 
 
-def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig | None = None) -> dict[str, Any]:
+def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig) -> dict[str, Any]:
     """`base` (an AppConfig as a dict) with the variant's policy, step-cost pricing and router; the replicas
     measure their headroom against the TPOT SLO the load test checks."""
     config = yaml.safe_load(yaml.safe_dump(base or {}))
     replica = config.setdefault("replica", {})
-    if slo is not None and slo.tpot_ms is not None:
+    if slo.tpot_ms is not None:
         replica["tpot_slo_ms"] = slo.tpot_ms
     engine = replica.setdefault("engine", {})
     engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost)

@@ -54,12 +54,17 @@ def test_drafting_steps_longer_than_profiled_move_the_launch_cost_not_the_interc
     assert plan_step(survival, mean_excess).draft.sum() > profiled
 
 
-def test_prefill_chunks_count_at_their_mean_in_the_intercept():
+def test_prefill_chunks_are_kept_out_of_the_intercept():
+    """Prefill is work per request, not per step: it neither moves the intercept nor hides a real offset."""
     online = OnlineCostModel(PROFILE)
-    feed(online, 256, lambda rng, d, p: 0.1 * p + rng.normal(0.0, 2.0), prefill_share=0.5)
     # Half the steps carry 1..199 prefill tokens (mean 100) at 0.1 ms each: 5 ms per step on average.
-    assert online.offset_ms == pytest.approx(5.0, abs=1.0)
+    feed(online, 256, lambda rng, d, p: 0.1 * p + rng.normal(0.0, 2.0), prefill_share=0.5)
+    assert abs(online.offset_ms) < 1.0
     assert abs(online.launch_offset_ms) < 1.5
+    # Negative control: the same 5 ms on every step, prefill or not, is the step's and moves the intercept.
+    shifted = OnlineCostModel(PROFILE)
+    feed(shifted, 256, lambda rng, d, p: 0.1 * p + 5.0 + rng.normal(0.0, 2.0), prefill_share=0.5)
+    assert shifted.offset_ms == pytest.approx(5.0, abs=1.0)
 
 
 def test_few_drafting_steps_move_the_launch_cost_little_and_none_hand_it_back_to_the_profile():

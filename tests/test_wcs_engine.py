@@ -117,6 +117,26 @@ def test_ragged_widths_shrink_the_drafters_work(llm):
     assert len(ragged) > 5
 
 
+def test_plans_without_drafts_hold_for_the_next_steps(llm):
+    """Where drafting never pays, `wcs` plans one step in `replan_every` (4 by default) and holds the
+    plan without drafts in between, skipping the features and the planner; where it pays (the module's
+    cost model), it plans every step (negative control)."""
+    from vllm import SamplingParams
+
+    prompts = [p.prompt for p in load_workloads()["code"][:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    never = DRAFTING_PAYS.model_copy(update={"draft_launch_ms": 1e4})
+    llm.collective_rpc("wcs_set_cost_model", args=(never.model_dump_json(),))
+    try:
+        _, held = run(llm, "wcs", prompts, params)
+    finally:
+        llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+    assert held.drafted == 0 and held.steps > 40
+    assert 0.7 <= held.held_steps / held.steps <= 0.75
+    _, planned = run(llm, "wcs", prompts, params)
+    assert planned.drafted > 0 and planned.held_steps < 0.1 * planned.steps
+
+
 def test_served_steps_correct_the_step_cost_online(llm):
     """Steps that run back to back feed the online correction (`scheduling/online_cost.py`): the
     offsets the engine reports are those of a correction fed, here, with the step log's rows (R, D,

@@ -32,6 +32,11 @@ class WCSConfig(BaseModel):
         default=True,
         description="correct the profiled step cost by measured step periods while serving (scheduling/online_cost.py)",
     )
+    replan_every: int = Field(
+        default=8,
+        ge=1,
+        description="after a plan that drafts nothing, plan again only every this many steps (1: every step)",
+    )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 

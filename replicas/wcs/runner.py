@@ -132,7 +132,8 @@ class WCSRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         # The features need one row per request (its newest token), known only after sampling, which may
         # scale logits in place: keep a copy and summarise just those rows (a fraction of R + verified).
-        self._wcs_logits = logits.clone() if logits is not None and self.wcs.needs_drafter() else None
+        plans = self.wcs.needs_drafter() and not self.wcs.holds_no_drafts()
+        self._wcs_logits = logits.clone() if logits is not None and plans else None
         return super()._sample(logits, spec_decode_metadata)
 
     def propose_draft_token_ids(self, *args):
@@ -163,13 +164,15 @@ class WCSRunnerMixin:
             # No request ever drafts under this policy (`ar`): no features, no drafter, no context K/V.
             ctl.plan(req_ids, None, max_width)
             return self._wcs_no_drafts(req_ids, (time.perf_counter() - t0) * 1e3, 0.0, sample_hidden_states.device)
-
-        # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
-        offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])
-        rows = torch.from_numpy(offsets + accepted)
-        logits, self._wcs_logits = self._wcs_logits, None
-        features = self.wcs_features(sample_hidden_states[rows], distribution_stats(logits[rows]), generated)
-        draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
+        if ctl.holds_no_drafts():
+            draft = ctl.plan(req_ids, None, max_width)
+        else:
+            # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
+            offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])
+            rows = torch.from_numpy(offsets + accepted)
+            logits, self._wcs_logits = self._wcs_logits, None
+            features = self.wcs_features(sample_hidden_states[rows], distribution_stats(logits[rows]), generated)
+            draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
         planner_ms = (time.perf_counter() - t0) * 1e3
         drafter = self.drafter
         if not draft.any():

@@ -1,0 +1,67 @@
+"""The step controller's plan hold: a plan that drafts nothing holds for `replan_every - 1` steps."""
+
+import numpy as np
+import pytest
+
+from replicas.wcs.config import WCSConfig
+from replicas.wcs.controller import StepController
+from scheduling.cost_model import StepCostModel
+from scheduling.estimators import ConstantEstimator
+
+K = 4
+CHEAP = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.1, per_draft_ms=0.01, per_target_ms=0.1)
+DEAR = CHEAP.model_copy(update={"draft_launch_ms": 1e4})  # drafting never pays
+
+
+def controller(cost: StepCostModel, replan_every: int) -> StepController:
+    estimator = ConstantEstimator(K, prior=0.8, prior_weight=100.0)
+    return StepController(WCSConfig(replan_every=replan_every), K, estimator, cost=cost)
+
+
+def step(ctl: StepController, batch: int = 3) -> np.ndarray:
+    """One step as the runner drives it: features only when the controller plans."""
+    ids = [f"r{i}" for i in range(batch)]
+    ctl.observe(ids, np.zeros(batch, np.int64), np.zeros(batch, np.int64))
+    features = None if ctl.holds_no_drafts() else np.zeros((batch, 8))
+    draft = ctl.plan(ids, features, np.full(batch, K))
+    if draft.any():
+        ctl.verify(np.full((batch, K), 0.9))
+    return draft
+
+
+def test_a_plan_without_drafts_holds_for_the_next_steps():
+    ctl = controller(DEAR, replan_every=4)
+    held = []
+    for _ in range(12):
+        held.append(ctl.holds_no_drafts())
+        assert not step(ctl).any()
+    assert held == [False, True, True, True] * 3
+    assert ctl.stats.held_steps == 9 and ctl.stats.steps == 12
+    # A planning step must have its features.
+    with pytest.raises(ValueError, match="features"):
+        ctl.plan(["r0"], None, np.full(1, K))
+
+
+@pytest.mark.parametrize(("cost", "replan_every"), [(CHEAP, 4), (DEAR, 1)])
+def test_no_hold_after_plans_that_draft_or_with_replan_every_one(cost, replan_every):
+    """Negative controls: a plan that drafts never holds, and `replan_every=1` plans every step."""
+    ctl = controller(cost, replan_every)
+    drafts = [step(ctl).any() for _ in range(8)]
+    assert all(drafts) == (cost is CHEAP)
+    assert ctl.stats.held_steps == 0
+
+
+def test_a_plan_where_no_request_could_draft_does_not_hold():
+    """All requests prefilling (widths capped at 0): the next step must plan."""
+    ctl = controller(CHEAP, replan_every=4)
+    ids = ["r0", "r1"]
+    assert not ctl.plan(ids, np.zeros((2, 8)), np.zeros(2, np.int64)).any()
+    assert not ctl.holds_no_drafts()
+
+
+def test_a_new_policy_plans_at_once():
+    ctl = controller(DEAR, replan_every=4)
+    step(ctl)
+    assert ctl.holds_no_drafts()
+    ctl.set_policy("wcs")
+    assert not ctl.holds_no_drafts()

@@ -72,6 +72,7 @@ def replica_families(wcs: dict | None, routing: RoutingStats | None, aborted: in
         for name in ("planner", "draft", "target", "step"):
             out.append(CounterMetricFamily(f"forespark_wcs_{name}_seconds", f"WCS: time in {name}", value=wcs[f"{name}_ms"] / 1000.0))
         out.append(CounterMetricFamily("forespark_wcs_steps", "steps that planned at least one request", value=wcs["steps"]))
+        out.append(CounterMetricFamily("forespark_wcs_held_steps", "steps that kept the last plan's 'no drafts' without planning", value=wcs.get("held_steps", 0)))
         out.append(GaugeMetricFamily("forespark_wcs_step_cost_offset_ms", "what measured step periods add to the profiled step intercept (ms)", value=wcs.get("step_cost_offset_ms", 0.0)))
         out.append(GaugeMetricFamily("forespark_wcs_launch_offset_ms", "what measured step periods add to the profiled drafter launch cost (ms)", value=wcs.get("launch_offset_ms", 0.0)))
         out.append(GaugeMetricFamily("forespark_wcs_policy_info", "the speculation policy", labels=["policy"]))

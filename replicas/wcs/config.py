@@ -35,7 +35,7 @@ class WCSConfig(BaseModel):
     replan_every: int = Field(
         default=8,
         ge=1,
-        description="after a plan that drafts nothing, plan again only every this many steps (1: every step)",
+        description="after a plan that chose to draft nothing, plan again only every this many steps (1: every step)",
     )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0

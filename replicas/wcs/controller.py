@@ -9,7 +9,7 @@ and the allocator.
 
 A plan that drafts nothing holds for the next `replan_every - 1` steps
 (`holds_no_drafts`): the runner then skips the features and the planner,
-which cost a step without drafts about a sixth of its time on CPU (measured
+which cost a step without drafts about a seventh of its time on CPU (measured
 in an engine at 12 requests: 0.5 ms of a 3.5 ms step), exactly the steps a
 loaded engine runs most. Drafting resumes at most `replan_every - 1` steps
 after it starts to pay.

@@ -86,15 +86,14 @@ class StepController:
         self._inputs: PreDraftInputs | None = None
         self._survival = np.zeros((0, k))  # pre-draft survival the plan was made on
         self._draft = np.zeros(0, dtype=np.int64)
-        self._held = 0  # steps since the last plan that drafted nothing, held without planning
-        self._drafted_nothing = False  # the last plan drafted nothing
 
     def set_policy(self, name: PolicyName | str) -> None:
         self.policy = Policy(name=PolicyName(name), k=self.k)
         if self.policy.name == PolicyName.ORACLE:
             raise ValueError("the oracle policy needs true acceptances: replay and simulation only")
         self.stats = WCSStats(policy=self.policy.name.value, k=self.k)
-        self._held, self._drafted_nothing = 0, False
+        self._held = 0  # steps held without planning since the last plan
+        self._drafted_nothing = False  # the last plan chose to draft nothing
         self._ever_drafts = bool(self.policy.draft_bounds(np.full(1, self.k))[1].any())
 
     @property
@@ -165,12 +164,12 @@ class StepController:
         self._inputs = None
         self._req_ids = req_ids
         if features is None:
-            if self.needs_drafter() and not self.holds_no_drafts():
-                raise ValueError("plan needs features unless the policy never drafts or a plan without drafts holds")
-            draft = np.zeros(len(req_ids), dtype=np.int64)
             if self.needs_drafter():
+                if not self.holds_no_drafts():
+                    raise ValueError("plan needs features unless the policy never drafts or a plan without drafts holds")
                 self._held += 1
                 self.stats.held_steps += 1
+            draft = np.zeros(len(req_ids), dtype=np.int64)
         else:
             self._inputs = self.tracker.pre_draft(req_ids, features)
             survival = self._survival = self.estimator.predict(self._inputs)

@@ -7,7 +7,7 @@
     forespark bench router [--json P]    decision time of the cluster router at 8..256 replicas
     forespark loadtest --url U --rate R  Locust SLO load test at a request rate (JSON report + PNG)
     forespark capacity --url U           highest request rate meeting the SLOs (doubling, then bisection)
-    forespark compare                    capacity per policy / router, each on a freshly started application
+    forespark compare                    capacity per policy / router, each on its own application, probes in turns
     forespark manifests check [PATH...]  validate the ray up, Serve and KubeRay manifests offline
     forespark models build [--check]     train the embedded target + drafter from the standard library
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
@@ -216,7 +216,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import yaml
 
     from loadtest.capacity import plot_capacity
-    from loadtest.compare import VARIANTS, compare, format_compare, local_servers
+    from loadtest.compare import VARIANTS, compare, default_protocol, format_compare, local_servers
 
     if args.repeats < 1:
         print("forespark compare: --repeats must be >= 1", file=sys.stderr)
@@ -240,7 +240,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 2
     base, slo = inputs
     result = compare(base, slo, list(args.variants), base_app, local_servers(args.port), args.start_rate, args.bisect_steps, args.repeats,
-                     warmup_s=args.warmup)
+                     warmup_s=args.warmup, protocol=args.protocol or default_protocol(base_app))
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
     print(f"wrote {Path(args.out) / 'compare.png'}")
@@ -419,13 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_options(cap, "results/capacity", 30.0)
     cap.set_defaults(func=cmd_capacity)
 
-    cmp_ = sub.add_parser("compare", help="capacity of each variant (policy x router), each on a freshly started application")
+    cmp_ = sub.add_parser("compare", help="capacity of each variant (policy x router), each on its own application, searched in turns")
     cmp_.add_argument("--variants", type=lambda t: tuple(v.strip() for v in t.split(",")), default=("wcs", "dspark", "ar", "wcs-pow2"),
                       help="comma-separated: wcs, dspark (start-up step-cost profile only, as vLLM's adaptive verification), "
                            "dspark-online (dspark with the online step-cost correction WCS uses), ar (router ours), "
                            "wcs-pow2 (Serve's power-of-two router)")
     cmp_.add_argument("--config", metavar="PATH", help="base application config (AppConfig YAML); variants set policy and router")
-    cmp_.add_argument("--port", type=int, default=8100)
+    cmp_.add_argument("--port", type=int, default=8100, help="the first server's port (servers up at once take the next ones)")
+    cmp_.add_argument("--protocol", choices=("interleaved", "sequential"), default=None,
+                      help="interleaved (default for CPU replicas): all servers up, paused between their probes, which take "
+                           "turns; sequential (default for GPU replicas): one server at a time, each searched to the end")
     cmp_.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
     cmp_.add_argument("--bisect-steps", type=int, default=3)
     cmp_.add_argument("--repeats", type=int, default=1, help="rounds over all variants; rates are medians over rounds")

@@ -7,7 +7,7 @@ until one passes), then bisect between the highest pass and the lowest fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -33,6 +33,70 @@ class CapacityResult(BaseModel):
     path: list[Probe]
 
 
+def probe_of(rate: float, report: LoadTestReport) -> Probe:
+    return Probe(
+        rate=rate, attainment=report.attainment, goodput_rps=report.goodput_rps, requests=report.requests,
+        sustainable=report.sustainable, offered_rate_rps=report.offered_rate_rps, lag_p99_ms=report.arrival_lag_ms.p99,
+    )
+
+
+def rates_to_probe(
+    start_rate: float = 1.0, bisect_steps: int = 3, max_doublings: int = 8, min_rate: float = 0.05
+) -> Generator[float, bool, float]:
+    """The search's decisions alone: yields the next rate to probe, is sent whether it was sustainable,
+    returns the highest sustainable rate (0 when none). Whoever sends decides how and when rates are measured."""
+    lo, hi = 0.0, 0.0
+    rate = start_rate
+    if (yield rate):
+        lo = rate
+        for _ in range(max_doublings):
+            rate *= 2
+            if not (yield rate):
+                hi = rate
+                break
+            lo = rate
+        else:
+            return lo
+    else:
+        hi = rate
+        while rate / 2 >= min_rate:
+            rate /= 2
+            if (yield rate):
+                lo = rate
+                break
+            hi = rate
+        if lo == 0.0:
+            return 0.0
+    for _ in range(bisect_steps):
+        mid = (lo + hi) / 2
+        if (yield mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Search:
+    """One capacity search advanced a probe at a time: `rate` is the next rate to probe, `record` takes its
+    report; `result` is set once the search is over. Searches of several servers can so take turns."""
+
+    def __init__(self, slo: SLOConfig, start_rate: float = 1.0, bisect_steps: int = 3, max_doublings: int = 8, min_rate: float = 0.05):
+        self.slo = slo
+        self.path: list[Probe] = []
+        self.result: CapacityResult | None = None
+        self._plan = rates_to_probe(start_rate, bisect_steps, max_doublings, min_rate)
+        self.rate = next(self._plan)
+
+    def record(self, report: LoadTestReport) -> Probe:
+        probe = probe_of(self.rate, report)
+        self.path.append(probe)
+        try:
+            self.rate = self._plan.send(probe.sustainable)
+        except StopIteration as done:
+            self.result = CapacityResult(max_rate=done.value, slo=self.slo, path=self.path)
+        return probe
+
+
 def search(
     measure: Callable[[float], LoadTestReport],
     slo: SLOConfig,
@@ -43,48 +107,17 @@ def search(
     on_probe: Callable[[Probe], None] | None = None,
 ) -> CapacityResult:
     """`measure(rate)` runs one load test at `rate`; the search is independent of how."""
-    path: list[Probe] = []
-
-    def probe(rate: float) -> bool:
-        report = measure(rate)
-        p = Probe(
-            rate=rate, attainment=report.attainment, goodput_rps=report.goodput_rps, requests=report.requests,
-            sustainable=report.sustainable, offered_rate_rps=report.offered_rate_rps, lag_p99_ms=report.arrival_lag_ms.p99,
-        )
-        path.append(p)
+    s = Search(slo, start_rate, bisect_steps, max_doublings, min_rate)
+    while s.result is None:
+        probe = s.record(measure(s.rate))
         if on_probe:
-            on_probe(p)
-        return p.sustainable
+            on_probe(probe)
+    return s.result
 
-    lo, hi = 0.0, None
-    rate = start_rate
-    if probe(rate):
-        lo = rate
-        for _ in range(max_doublings):
-            rate *= 2
-            if not probe(rate):
-                hi = rate
-                break
-            lo = rate
-        else:
-            return CapacityResult(max_rate=lo, slo=slo, path=path)
-    else:
-        hi = rate
-        while rate / 2 >= min_rate:
-            rate /= 2
-            if probe(rate):
-                lo = rate
-                break
-            hi = rate
-        if lo == 0.0:
-            return CapacityResult(max_rate=0.0, slo=slo, path=path)
-    for _ in range(bisect_steps):
-        mid = (lo + hi) / 2
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return CapacityResult(max_rate=lo, slo=slo, path=path)
+
+def load_at(base: LoadTestConfig, rate: float) -> LoadTestConfig:
+    """`base` at `rate`, writing to its own `out_dir/rate-<r>`."""
+    return base.model_copy(update={"rate": rate, "out_dir": Path(base.out_dir) / f"rate-{rate:.4g}"})
 
 
 def capacity(
@@ -93,8 +126,7 @@ def capacity(
     """The search with real load tests: each probe runs `base` at its rate, in `out_dir/rate-<r>`."""
 
     def measure(rate: float) -> LoadTestReport:
-        config = base.model_copy(update={"rate": rate, "out_dir": Path(base.out_dir) / f"rate-{rate:.4g}"})
-        return run_loadtest(config, slo, progress=progress, plots=False)
+        return run_loadtest(load_at(base, rate), slo, progress=progress, plots=False)
 
     return search(measure, slo, start_rate=start_rate, bisect_steps=bisect_steps, on_probe=on_probe)
 

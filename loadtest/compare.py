@@ -1,10 +1,18 @@
-"""Side by side: the same capacity search against the application started once per variant, back to back.
+"""Side by side: the same capacity search against the application started once per variant.
 
 Each variant is `forespark serve` with one speculation policy and one router
-on the same machine and port, started fresh (a clean engine and cache),
-searched, and stopped before the next starts; with repeats, every variant is
-searched once per round and its rate is the median over rounds. The result is
-the ratio of median sustainable request rates.
+on the same machine. Two protocols:
+
+- **interleaved** (CPU replicas): every variant's server is started once and
+  stays up; the searches take turns, one probe each, so the variants' k-th
+  probes run minutes apart under the same machine state. A server that is not
+  being probed is paused (SIGSTOP on its whole process tree), so it takes no
+  CPU from the one that is.
+- **sequential** (GPU replicas, which cannot all fit at once): each variant's
+  server is started fresh, searched to the end and stopped before the next.
+
+With repeats, every variant is searched once per round and its rate is the
+median over rounds. The result is the ratio of median sustainable request rates.
 """
 
 from __future__ import annotations
@@ -15,17 +23,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import httpx
 import numpy as np
 import yaml
 from pydantic import BaseModel
 
-from loadtest.capacity import CapacityResult, capacity, format_probe
+from loadtest.capacity import CapacityResult, Search, format_probe, load_at
 from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.report import LoadTestReport
 from loadtest.run import run_loadtest
 
 
@@ -55,8 +64,12 @@ class VariantResult(BaseModel):
     capacity: CapacityResult  # the last repeat's search
 
 
+CompareProtocol = Literal["interleaved", "sequential"]
+
+
 class CompareResult(BaseModel):
     slo: SLOConfig
+    protocol: CompareProtocol = "sequential"
     variants: dict[str, VariantResult]
     ratios: dict[str, float | None]
 
@@ -74,8 +87,22 @@ def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig) -
     return config
 
 
+class Server(Protocol):
+    """A running application as `compare` uses it."""
+
+    url: str
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class ServerProcess:
-    """`forespark serve` in its own process group; ready when `/v1/models` answers; SIGTERM on exit."""
+    """`forespark serve` in its own process group; ready when `/v1/models` answers; SIGTERM on exit.
+
+    `pause` stops the server's whole process tree (the driver, Ray's GCS and raylet, the replicas and their
+    engine processes, which Ray puts in process groups of their own) and `resume` continues it.
+    """
 
     def __init__(self, app_config: dict, port: int, work_dir: Path, start_timeout_s: float = 900.0) -> None:
         self.port = port
@@ -85,6 +112,29 @@ class ServerProcess:
         self.log_path = work_dir / "server.log"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
+        self._paused: list = []
+
+    def pause(self) -> None:
+        import psutil
+
+        assert self.proc is not None and not self._paused
+        root = psutil.Process(self.proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                p.suspend()
+                self._paused.append(p)
+            except psutil.NoSuchProcess:
+                pass
+
+    def resume(self) -> None:
+        import psutil
+
+        for p in self._paused:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+        self._paused = []
 
     def __enter__(self) -> "ServerProcess":
         repo_root = str(Path(__file__).resolve().parent.parent)
@@ -112,6 +162,7 @@ class ServerProcess:
         raise RuntimeError(f"the server was not ready within {self.start_timeout_s:.0f} s; see {self.log_path}")
 
     def __exit__(self, *exc) -> None:
+        self.resume()  # a stopped process would not act on SIGTERM
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -128,24 +179,35 @@ def ratio(variants: dict[str, VariantResult], a: str, b: str) -> float | None:
     return variants[a].max_rate / variants[b].max_rate
 
 
-ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[str]]  # (app config, work dir) -> a running server's URL
-CapacitySearch = Callable[..., CapacityResult]  # loadtest.capacity.capacity's signature
-WarmUp = Callable[[LoadTestConfig, SLOConfig], float]  # runs a load, returns its attainment
+ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[Server]]  # (app config, work dir) -> a running server
+Measure = Callable[[LoadTestConfig, SLOConfig], LoadTestReport]  # one load test
 
 
-def warm_up(load: LoadTestConfig, slo: SLOConfig) -> float:
-    return run_loadtest(load, slo, progress=False, plots=False).attainment
+def measure_load(load: LoadTestConfig, slo: SLOConfig) -> LoadTestReport:
+    return run_loadtest(load, slo, progress=True, plots=False)
 
 
 def local_servers(port: int) -> ServerStarter:
-    """`forespark serve` on this machine, one at a time on `port`."""
+    """`forespark serve` on this machine: servers up at the same time get `port`, `port + 1`, ..."""
+    busy: set[int] = set()
 
     @contextmanager
-    def start(app_config: dict[str, Any], work: Path) -> Iterator[str]:
-        with ServerProcess(app_config, port, work) as server:
-            yield server.url
+    def start(app_config: dict[str, Any], work: Path) -> Iterator[Server]:
+        own = next(p for p in range(port, port + 1000) if p not in busy)
+        busy.add(own)
+        try:
+            with ServerProcess(app_config, own, work) as server:
+                yield server
+        finally:
+            busy.discard(own)
 
     return start
+
+
+def default_protocol(base_app: dict[str, Any]) -> CompareProtocol:
+    """Interleaved for CPU replicas (a paused server frees its CPUs); sequential for GPU replicas, whose
+    memory a paused server keeps."""
+    return "sequential" if (base_app or {}).get("replica", {}).get("accelerator") == "gpu" else "interleaved"
 
 
 def compare(
@@ -158,35 +220,64 @@ def compare(
     bisect_steps: int = 3,
     repeats: int = 1,
     log: Callable[[str], None] = print,
-    search_capacity: CapacitySearch = capacity,
+    measure: Measure = measure_load,
     warmup_s: float = 10.0,
-    warm: WarmUp = warm_up,
+    protocol: CompareProtocol = "interleaved",
+    settle_s: float = 3.0,
 ) -> CompareResult:
-    """Each repeat searches every variant once, in turn; a variant's rate is the median over repeats.
+    """Each repeat searches every variant once; a variant's rate is the median over repeats.
 
     A fresh server first gets `warmup_s` seconds of load at `start_rate`, not counted: the first
     seconds after a start miss SLOs for reasons no variant owns (first touches of the KV cache, the
-    router's first stats), and they would otherwise fall on whichever probe comes first.
+    router's first stats), and they would otherwise fall on whichever probe comes first. A resumed
+    server gets `settle_s` before its probe: its replicas' routing stats went stale while it was paused.
     """
     rates: dict[str, list[float]] = {name: [] for name in variants}
     last: dict[str, CapacityResult] = {}
-    for rep in range(repeats):
-        for name in variants:
-            variant = VARIANTS[name]
-            work = Path(base_load.out_dir) / name / f"repeat-{rep}"
-            work.mkdir(parents=True, exist_ok=True)
-            log(f"== {name} (repeat {rep + 1}/{repeats}): policy {variant.policy}, router {variant.router}; starting the server")
-            with start_server(variant_app_config(base_app, variant, slo), work) as url:
-                load = base_load.model_copy(update={"url": url, "out_dir": work})
-                if warmup_s > 0:
-                    warm_load = load.model_copy(
-                        update={"rate": start_rate, "duration_s": warmup_s, "drain_s": warmup_s, "seed": load.seed + 1, "out_dir": work / "warm-up"}
-                    )
-                    attained = warm(warm_load, slo)
-                    log(f"   warm-up: {warmup_s:g} s at {start_rate:g} req/s, not counted (attainment {attained:.1%})")
-                last[name] = search_capacity(load, slo, start_rate, bisect_steps, on_probe=lambda p: log("   " + format_probe(p)))
-            rates[name].append(last[name].max_rate)
-            log(f"   {name}: max sustainable rate {last[name].max_rate:.3g} req/s")
+
+    def start(name: str, work: Path, stack: ExitStack) -> Server:
+        variant = VARIANTS[name]
+        work.mkdir(parents=True, exist_ok=True)
+        log(f"== {name}: policy {variant.policy}, router {variant.router}; starting the server")
+        server = stack.enter_context(start_server(variant_app_config(base_app, variant, slo), work))
+        if warmup_s > 0:
+            warm = base_load.model_copy(
+                update={"url": server.url, "rate": start_rate, "duration_s": warmup_s, "drain_s": warmup_s,
+                        "seed": base_load.seed + 1, "out_dir": work / "warm-up"}
+            )
+            log(f"   warm-up: {warmup_s:g} s at {start_rate:g} req/s, not counted (attainment {measure(warm, slo).attainment:.1%})")
+        return server
+
+    def probe(name: str, server: Server, search: Search, rep: int) -> None:
+        load = base_load.model_copy(update={"url": server.url, "out_dir": Path(base_load.out_dir) / name / f"repeat-{rep}"})
+        log(f"   {name} (repeat {rep + 1}/{repeats}): " + format_probe(search.record(measure(load_at(load, search.rate), slo))))
+        if search.result is not None:
+            last[name] = search.result
+            rates[name].append(search.result.max_rate)
+            log(f"   {name}: max sustainable rate {search.result.max_rate:.3g} req/s")
+
+    if protocol == "sequential":
+        for rep in range(repeats):
+            for name in variants:
+                with ExitStack() as stack:
+                    server = start(name, Path(base_load.out_dir) / name / f"repeat-{rep}", stack)
+                    search = Search(slo, start_rate, bisect_steps)
+                    while search.result is None:
+                        probe(name, server, search, rep)
+    else:
+        with ExitStack() as stack:
+            servers: dict[str, Server] = {}
+            for name in variants:
+                servers[name] = start(name, Path(base_load.out_dir) / name, stack)
+                servers[name].pause()
+            for rep in range(repeats):
+                searches = {name: Search(slo, start_rate, bisect_steps) for name in variants}
+                while pending := [name for name in variants if searches[name].result is None]:
+                    for name in pending:  # one probe each, in turn
+                        servers[name].resume()
+                        time.sleep(settle_s)
+                        probe(name, servers[name], searches[name], rep)
+                        servers[name].pause()
     results = {
         name: VariantResult(
             policy=VARIANTS[name].policy, router=VARIANTS[name].router,
@@ -195,11 +286,11 @@ def compare(
         for name in variants
     }
     ratios = {key: ratio(results, a, b) for key, (a, b) in RATIOS.items()}
-    return CompareResult(slo=slo, variants=results, ratios=ratios)
+    return CompareResult(slo=slo, protocol=protocol, variants=results, ratios=ratios)
 
 
 def format_compare(result: CompareResult) -> str:
-    lines = [f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11}  repeats"]
+    lines = [f"protocol: {result.protocol}", f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11}  repeats"]
     for name, v in result.variants.items():
         lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g}  {', '.join(f'{r:.3g}' for r in v.max_rates)}")
     for key, value in result.ratios.items():

@@ -162,51 +162,151 @@ def test_the_same_seed_sends_the_same_load_and_another_seed_does_not(server, tmp
     assert len(t_c) != len(t_a) or np.abs(t_c - t_a).max() > 0.5
 
 
-def test_compare_searches_every_variant_per_round_and_reports_ratios_of_medians(tmp_path):
-    """`compare`'s own logic with a stand-in server and capacity search (the real ones are tested above;
-    a real compare is a benchmark of many minutes): each round starts every variant once, in order, with
-    its policy and router in the application config; rates are medians over rounds; ratios are of medians."""
+def _tree_cpu_s(pid: int) -> float:
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def test_a_paused_server_takes_no_cpu_and_serves_again_once_resumed(server):
+    """What `compare --protocol interleaved` does between a server's probes, on the real server. The negative
+    control is the same server running: idle, its Ray processes and replicas still spend CPU."""
+    body = {"model": "forespark", "prompt": "def main():", "max_tokens": 4}
+    running = _tree_cpu_s(server.proc.pid)
+    time.sleep(3)
+    assert _tree_cpu_s(server.proc.pid) - running > 0.05
+    server.pause()
+    try:
+        paused = _tree_cpu_s(server.proc.pid)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=3)
+        assert _tree_cpu_s(server.proc.pid) - paused < 0.01
+    finally:
+        server.resume()
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+
+
+class _StandInServer:
+    """Stands in for a server in `compare`'s own logic (a real compare is a benchmark of many minutes; the real
+    server, load test and pause are tested above): records what happens to it in a shared event list."""
+
+    def __init__(self, name: str, events: list) -> None:
+        self.url, self.name, self.events, self.paused = f"http://stand-in/{name}", name, events, False
+
+    def pause(self) -> None:
+        assert not self.paused
+        self.paused = True
+        self.events.append(("pause", self.name))
+
+    def resume(self) -> None:
+        assert self.paused
+        self.paused = False
+        self.events.append(("resume", self.name))
+
+
+def _stand_ins(capacities: dict[str, list[float]], events: list):
+    """A server starter and a measurement: variant `name` sustains up to capacities[name][repeat]."""
     from contextlib import contextmanager
 
-    from loadtest.capacity import CapacityResult
-    from loadtest.compare import compare
-
-    started: list[tuple[str, str, str]] = []
-    rounds = {"wcs": [6.0, 9.0, 7.0], "dspark": [4.0, 5.0, 3.0], "wcs-pow2": [7.0, 2.0, 5.0]}
     served = {("wcs", "acceptance_headroom"): "wcs", ("dspark", "acceptance_headroom"): "dspark", ("wcs", "pow2"): "wcs-pow2"}
+    servers: dict[str, _StandInServer] = {}
 
     @contextmanager
-    def fake_server(app_config, work):
-        key = (app_config["replica"]["engine"]["wcs"]["policy"], app_config["router"]["kind"])
-        started.append((served[key], *key))
+    def start_server(app_config, work):
+        name = served[(app_config["replica"]["engine"]["wcs"]["policy"], app_config["router"]["kind"])]
         assert app_config["replica"]["num_replicas"] == 3  # the base config is kept
         assert app_config["replica"]["tpot_slo_ms"] == 37.0  # the replicas' headroom uses the load test's TPOT SLO
-        yield f"http://stand-in/{served[key]}"
+        events.append(("start", name))
+        servers[name] = _StandInServer(name, events)
+        yield servers[name]
+        events.append(("stop", name))
 
-    def fake_capacity(load, slo, start_rate, bisect_steps, on_probe=None):
+    def measure(load, slo):
         name = load.url.rsplit("/", 1)[1]
-        rep = int(load.out_dir.name.split("-")[1])
-        return CapacityResult(max_rate=rounds[name][rep], slo=slo, path=[])
+        assert not servers[name].paused  # never measure a paused server
+        if load.out_dir.name == "warm-up":
+            events.append(("warm", name, load.rate, load.duration_s))
+            return LoadTestReport.model_construct(attainment=0.5)
+        rep = int(load.out_dir.parent.name.split("-")[1])
+        events.append(("probe", name, load.rate))
+        return _fake_measure(capacities[name][rep], [])(load.rate)
 
-    warmed: list[tuple[str, float, float]] = []
+    return start_server, measure
 
-    def fake_warm_up(load, slo):
-        warmed.append((load.url.rsplit("/", 1)[1], load.rate, load.duration_s))
-        return 0.5
 
+CAPACITIES = {"wcs": [6.0, 9.0, 7.0], "dspark": [4.0, 5.0, 3.0], "wcs-pow2": [7.0, 2.0, 5.0]}
+
+
+def _compare(tmp_path, events, protocol, repeats=3, warmup_s=7.0, variants=("wcs", "dspark", "wcs-pow2")):
+    from loadtest.compare import compare
+
+    start_server, measure = _stand_ins(CAPACITIES, events)
     base = LoadTestConfig(url="http://unused", rate=1.0, duration_s=1.0, out_dir=tmp_path)
-    result = compare(
-        base, SLOConfig(tpot_ms=37.0), ["wcs", "dspark", "wcs-pow2"], {"replica": {"num_replicas": 3, "tpot_slo_ms": 50}},
-        fake_server, 1.5,
-        repeats=3, log=lambda _: None, search_capacity=fake_capacity, warmup_s=7.0, warm=fake_warm_up,
+    return compare(
+        base, SLOConfig(tpot_ms=37.0), list(variants), {"replica": {"num_replicas": 3, "tpot_slo_ms": 50}}, start_server, 1.5,
+        bisect_steps=2, repeats=repeats, log=lambda _: None, measure=measure, warmup_s=warmup_s, protocol=protocol, settle_s=0.0,
     )
-    assert [s[0] for s in started] == ["wcs", "dspark", "wcs-pow2"] * 3
-    assert warmed == [(name, 1.5, 7.0) for name in ["wcs", "dspark", "wcs-pow2"] * 3]  # each fresh server, at the start rate
-    warmed.clear()
-    compare(base, SLOConfig(tpot_ms=37.0), ["wcs"], {"replica": {"num_replicas": 3}}, fake_server, 1.5, log=lambda _: None,
-            search_capacity=fake_capacity, warmup_s=0.0, warm=fake_warm_up)
-    assert warmed == []
-    assert {name: v.max_rates for name, v in result.variants.items()} == rounds
-    assert (result.variants["wcs"].max_rate, result.variants["dspark"].max_rate, result.variants["wcs-pow2"].max_rate) == (7.0, 4.0, 5.0)
-    assert result.ratios["wcs_vs_dspark"] == pytest.approx(7 / 4) and result.ratios["router_vs_pow2"] == pytest.approx(7 / 5)
+
+
+@pytest.mark.parametrize("protocol", ["sequential", "interleaved"])
+def test_compare_reports_each_variants_median_rate_and_ratios_of_medians(tmp_path, protocol):
+    events: list = []
+    result = _compare(tmp_path, events, protocol)
+    assert result.protocol == protocol
+    # Each search is the plain capacity search on that variant's stand-in, whatever the order of probes.
+    for name, caps in CAPACITIES.items():
+        assert result.variants[name].max_rates == [
+            search(_fake_measure(c, []), SLOConfig(), start_rate=1.5, bisect_steps=2).max_rate for c in caps
+        ]
+    rates = {name: v.max_rate for name, v in result.variants.items()}
+    assert rates == {name: float(np.median(v.max_rates)) for name, v in result.variants.items()}
+    assert result.ratios["wcs_vs_dspark"] == pytest.approx(rates["wcs"] / rates["dspark"])
+    assert result.ratios["router_vs_pow2"] == pytest.approx(rates["wcs"] / rates["wcs-pow2"])
     assert result.ratios["wcs_vs_ar"] is None  # ar was not run
+    # Every fresh server is warmed once, at the start rate, before any of its probes.
+    starts = [e[1] for e in events if e[0] == "start"]
+    assert [e[1:] for e in events if e[0] == "warm"] == [(name, 1.5, 7.0) for name in starts]
+
+
+def test_sequential_compare_starts_a_fresh_server_per_variant_and_round(tmp_path):
+    events: list = []
+    _compare(tmp_path, events, "sequential")
+    assert [e[1] for e in events if e[0] == "start"] == ["wcs", "dspark", "wcs-pow2"] * 3
+    assert not any(e[0] in ("pause", "resume") for e in events)
+    # One server at a time: each is stopped before the next starts, after all of its probes.
+    lifetimes = [e for e in events if e[0] in ("start", "stop")]
+    assert lifetimes == [(k, name) for name in ["wcs", "dspark", "wcs-pow2"] * 3 for k in ("start", "stop")]
+
+
+def test_interleaved_compare_keeps_servers_up_and_takes_turns_with_the_others_paused(tmp_path):
+    events: list = []
+    _compare(tmp_path, events, "interleaved")
+    assert [e[1] for e in events if e[0] == "start"] == ["wcs", "dspark", "wcs-pow2"]  # once, for all rounds
+    assert [e[0] for e in events[-3:]] == ["stop"] * 3
+    # Every probe runs between its server's resume and pause, with every other server paused (checked in measure too).
+    probes = [i for i, e in enumerate(events) if e[0] == "probe"]
+    for i in probes:
+        assert events[i - 1] == ("resume", events[i][1]) and events[i + 1] == ("pause", events[i][1])
+    # Turns: in each round, the k-th probes of every variant whose search is still open, in variant order.
+    expected = []
+    for rep in range(3):
+        lengths = {name: len(search(_fake_measure(caps[rep], []), SLOConfig(), start_rate=1.5, bisect_steps=2).path)
+                   for name, caps in CAPACITIES.items()}
+        assert len(set(lengths.values())) > 1  # searches of different lengths, so the test sees variants drop out
+        expected += [name for k in range(max(lengths.values())) for name in CAPACITIES if lengths[name] > k]
+    assert [events[i][1] for i in probes] == expected
+
+
+def test_compare_without_warm_up_measures_only_probes(tmp_path):
+    events: list = []
+    _compare(tmp_path, events, "interleaved", repeats=1, warmup_s=0.0, variants=("wcs",))
+    assert not any(e[0] == "warm" for e in events) and any(e[0] == "probe" for e in events)

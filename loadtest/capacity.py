@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport
 from loadtest.run import run_loadtest
+from loadtest.server_metrics import ReplicaLoad, format_loads
 
 
 class Probe(BaseModel):
@@ -25,18 +26,35 @@ class Probe(BaseModel):
     sustainable: bool
     offered_rate_rps: float | None = None  # arrivals actually sent per second
     lag_p99_ms: float | None = None  # the load generator's p99 lateness against its schedule
+    replicas: dict[str, ReplicaLoad] = {}  # the server's own account per engine replica
 
 
 class CapacityResult(BaseModel):
     max_rate: float  # 0 when not even the lowest probed rate is sustainable
     slo: SLOConfig
     path: list[Probe]
+    crossing_rate: float = 0.0  # where attainment crosses the target, interpolated (see `crossing_rate`)
+
+
+def crossing_rate(path: list[Probe], max_rate: float, target: float) -> float:
+    """The rate at which attainment falls to `target`, interpolated linearly between the highest sustainable
+    probe and the lowest failing probe above it: finer than the bisection's last bracket, whose width
+    quantises `max_rate`. `max_rate` itself when no probe above it failed; 0 when none passed."""
+    if max_rate <= 0:
+        return 0.0
+    passed = max((p for p in path if p.sustainable and p.rate == max_rate), key=lambda p: p.attainment)
+    above = [p for p in path if not p.sustainable and p.rate > max_rate]
+    if not above:
+        return max_rate
+    failed = min(above, key=lambda p: p.rate)
+    return max_rate + (failed.rate - max_rate) * (passed.attainment - target) / (passed.attainment - failed.attainment)
 
 
 def probe_of(rate: float, report: LoadTestReport) -> Probe:
     return Probe(
         rate=rate, attainment=report.attainment, goodput_rps=report.goodput_rps, requests=report.requests,
         sustainable=report.sustainable, offered_rate_rps=report.offered_rate_rps, lag_p99_ms=report.arrival_lag_ms.p99,
+        replicas=report.replicas,
     )
 
 
@@ -93,7 +111,10 @@ class Search:
         try:
             self.rate = self._plan.send(probe.sustainable)
         except StopIteration as done:
-            self.result = CapacityResult(max_rate=done.value, slo=self.slo, path=self.path)
+            self.result = CapacityResult(
+                max_rate=done.value, slo=self.slo, path=self.path,
+                crossing_rate=crossing_rate(self.path, done.value, self.slo.attainment_target),
+            )
         return probe
 
 
@@ -137,7 +158,8 @@ def _lag(p: Probe) -> str:
 
 def format_probe(p: Probe) -> str:
     offered = "" if p.offered_rate_rps is None else f" (offered {p.offered_rate_rps:.3g}, arrival lag p99 {_lag(p)} ms)"
-    return f"{p.rate:.3g} req/s{offered}: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}"
+    loads = f"; {format_loads(p.replicas)}" if p.replicas else ""
+    return f"{p.rate:.3g} req/s{offered}: attainment {p.attainment:.1%} -> {'pass' if p.sustainable else 'FAIL'}{loads}"
 
 
 def format_path(result: CapacityResult) -> str:
@@ -148,7 +170,10 @@ def format_path(result: CapacityResult) -> str:
             f"{p.rate:>8.3g} {offered:>8} {_lag(p):>8} {p.attainment:>7.1%} {p.goodput_rps:>8.2f} {p.requests:>5}  "
             f"{'pass' if p.sustainable else 'FAIL'}"
         )
-    lines.append(f"max sustainable rate: {result.max_rate:.3g} req/s (attainment >= {result.slo.attainment_target:.0%})")
+    lines.append(
+        f"max sustainable rate: {result.max_rate:.3g} req/s (attainment >= {result.slo.attainment_target:.0%}); "
+        f"attainment crosses the target at {result.crossing_rate:.3g} req/s (interpolated)"
+    )
     return "\n".join(lines)
 
 

@@ -61,6 +61,8 @@ class VariantResult(BaseModel):
     router: str
     max_rate: float  # median over the repeats
     max_rates: list[float]  # one per repeat
+    crossing_rate: float  # median over the repeats of the interpolated rate where attainment crosses the target
+    crossing_rates: list[float]
     capacity: CapacityResult  # the last repeat's search
 
 
@@ -71,7 +73,8 @@ class CompareResult(BaseModel):
     slo: SLOConfig
     protocol: CompareProtocol = "sequential"
     variants: dict[str, VariantResult]
-    ratios: dict[str, float | None]
+    ratios: dict[str, float | None]  # of median max_rate
+    crossing_ratios: dict[str, float | None]  # of median crossing_rate
 
 
 def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig) -> dict[str, Any]:
@@ -173,10 +176,10 @@ class ServerProcess:
         self._log.close()
 
 
-def ratio(variants: dict[str, VariantResult], a: str, b: str) -> float | None:
-    if a not in variants or b not in variants or variants[b].max_rate <= 0:
+def ratio(variants: dict[str, VariantResult], a: str, b: str, field: str = "max_rate") -> float | None:
+    if a not in variants or b not in variants or getattr(variants[b], field) <= 0:
         return None
-    return variants[a].max_rate / variants[b].max_rate
+    return getattr(variants[a], field) / getattr(variants[b], field)
 
 
 ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[Server]]  # (app config, work dir) -> a running server
@@ -232,8 +235,7 @@ def compare(
     router's first stats), and they would otherwise fall on whichever probe comes first. A resumed
     server gets `settle_s` before its probe: its replicas' routing stats went stale while it was paused.
     """
-    rates: dict[str, list[float]] = {name: [] for name in variants}
-    last: dict[str, CapacityResult] = {}
+    results_of: dict[str, list[CapacityResult]] = {name: [] for name in variants}
 
     def start(name: str, work: Path, stack: ExitStack) -> Server:
         variant = VARIANTS[name]
@@ -252,9 +254,8 @@ def compare(
         load = base_load.model_copy(update={"url": server.url, "out_dir": Path(base_load.out_dir) / name / f"repeat-{rep}"})
         log(f"   {name} (repeat {rep + 1}/{repeats}): " + format_probe(search.record(measure(load_at(load, search.rate), slo))))
         if search.result is not None:
-            last[name] = search.result
-            rates[name].append(search.result.max_rate)
-            log(f"   {name}: max sustainable rate {search.result.max_rate:.3g} req/s")
+            results_of[name].append(search.result)
+            log(f"   {name}: max sustainable rate {search.result.max_rate:.3g} req/s (crossing {search.result.crossing_rate:.3g})")
 
     if protocol == "sequential":
         for rep in range(repeats):
@@ -278,21 +279,29 @@ def compare(
                         time.sleep(settle_s)
                         probe(name, servers[name], searches[name], rep)
                         servers[name].pause()
-    results = {
-        name: VariantResult(
-            policy=VARIANTS[name].policy, router=VARIANTS[name].router,
-            max_rate=float(np.median(rates[name])), max_rates=rates[name], capacity=last[name],
+    results = {}
+    for name, found in results_of.items():
+        max_rates, crossings = [r.max_rate for r in found], [r.crossing_rate for r in found]
+        results[name] = VariantResult(
+            policy=VARIANTS[name].policy, router=VARIANTS[name].router, capacity=found[-1],
+            max_rate=float(np.median(max_rates)), max_rates=max_rates, crossing_rate=float(np.median(crossings)), crossing_rates=crossings,
         )
-        for name in variants
-    }
-    ratios = {key: ratio(results, a, b) for key, (a, b) in RATIOS.items()}
-    return CompareResult(slo=slo, protocol=protocol, variants=results, ratios=ratios)
+    return CompareResult(
+        slo=slo, protocol=protocol, variants=results,
+        ratios={key: ratio(results, a, b) for key, (a, b) in RATIOS.items()},
+        crossing_ratios={key: ratio(results, a, b, "crossing_rate") for key, (a, b) in RATIOS.items()},
+    )
 
 
 def format_compare(result: CompareResult) -> str:
-    lines = [f"protocol: {result.protocol}", f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11}  repeats"]
+    lines = [
+        f"protocol: {result.protocol}",
+        f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11} {'crossing':>8}  repeats (rate / crossing)",
+    ]
     for name, v in result.variants.items():
-        lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g}  {', '.join(f'{r:.3g}' for r in v.max_rates)}")
+        repeats = ", ".join(f"{r:.3g} / {c:.3g}" for r, c in zip(v.max_rates, v.crossing_rates))
+        lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g} {v.crossing_rate:>8.3g}  {repeats}")
     for key, value in result.ratios.items():
-        lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'}")
+        crossing = result.crossing_ratios[key]
+        lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'} (crossing {'-' if crossing is None else f'{crossing:.2f}x'})")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from loadtest.config import SLOConfig
+from loadtest.server_metrics import ReplicaLoad, format_loads
 
 PERCENTILES = (50, 90, 99)
 LAG_WARN_MS = 100.0  # a p99 arrival lag above this means the load generator, not the server, shaped the arrivals
@@ -95,6 +96,7 @@ class LoadTestReport(BaseModel):
     arrival_lag_ms: Percentiles  # how late the load generator sent requests against its Poisson schedule
     by_domain: dict[str, dict[str, float]]
     attainment_over_time: list[tuple[float, float, int]]  # (window start s, attainment, requests)
+    replicas: dict[str, ReplicaLoad] = {}  # the server's own account per engine replica (loadtest/server_metrics.py)
 
 
 def build_report(rows: list[RequestRow], slo: SLOConfig, rate: float, duration_s: float, window_s: float = 5.0) -> LoadTestReport:
@@ -163,6 +165,8 @@ def format_report(report: LoadTestReport) -> str:
             f"warning: the load generator sent requests late (arrival lag p99 {report.arrival_lag_ms.p99:.0f} ms): "
             "its process did not get the CPU in time, so the latencies may include its own delays; give it more (--processes, another machine)"
         )
+    if report.replicas:
+        lines.append("server: " + format_loads(report.replicas))
     if report.errors_by_status:
         lines.append("errors by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(report.errors_by_status.items())))
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from loadtest.config import CONFIG_ENV, LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport, RequestRow, build_report, format_report, plot_report, read_rows
+from loadtest.server_metrics import scrape, settled_loads
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -85,8 +86,11 @@ def run_locust(config: LoadTestConfig, progress: bool = True) -> list[RequestRow
 
 
 def run_loadtest(config: LoadTestConfig, slo: SLOConfig, progress: bool = True, plots: bool = True) -> LoadTestReport:
+    before = scrape(config.url)
     rows = run_locust(config, progress)
     report = build_report(rows, slo, config.rate, config.duration_s)
+    if before:
+        report.replicas = settled_loads(config.url, before, finished=report.succeeded)
     out = Path(config.out_dir)
     (out / "report.json").write_text(report.model_dump_json(indent=2) + "\n")
     if plots:

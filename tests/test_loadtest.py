@@ -46,6 +46,23 @@ def test_capacity_search_doubles_then_bisects_to_the_threshold(capacity):
     assert [p.rate for p in result.path] == calls
 
 
+def test_the_crossing_rate_interpolates_attainment_between_the_last_pass_and_first_fail():
+    """Attainment falling linearly from 10 req/s crosses 90% at exactly 12.5 req/s; the bisection's max rate
+    is only as fine as its last bracket (here 12), the interpolated crossing finds 12.5."""
+
+    def measure(rate: float) -> LoadTestReport:
+        attainment = float(np.clip(1.0 - 0.04 * (rate - 10.0), 0.0, 1.0))
+        return LoadTestReport.model_construct(
+            attainment=attainment, goodput_rps=rate, requests=10, sustainable=attainment >= 0.9, offered_rate_rps=rate,
+            arrival_lag_ms=Percentiles(p50=0.0, p90=0.0, p99=0.0, mean=0.0),
+        )
+
+    result = search(measure, SLOConfig(), start_rate=1.0, bisect_steps=3)
+    assert result.max_rate == 12.0 and result.crossing_rate == pytest.approx(12.5)
+    assert search(_fake_measure(1000.0, []), SLOConfig(), max_doublings=3).crossing_rate == 8.0  # nothing failed above: a bound
+    assert search(_fake_measure(0.0, []), SLOConfig(), min_rate=0.5).crossing_rate == 0.0
+
+
 def test_capacity_search_reports_zero_when_nothing_passes():
     calls: list[float] = []
     result = search(_fake_measure(0.0, calls), SLOConfig(), start_rate=1.0, min_rate=0.1)
@@ -114,6 +131,10 @@ def test_a_real_locust_run_agrees_with_the_server_and_paces_poisson_arrivals(ser
     ok = [r for r in rows if r.ok]
     assert len(ok) >= 0.95 * len(rows)
     assert _settled_successes(server.url) - before == len(ok)
+    # The report's per-replica account, from the server's own metrics, covers the same requests on both replicas.
+    replicas = report["replicas"]
+    assert len(replicas) == 2 and sum(r["requests"] for r in replicas.values()) == len(ok)
+    assert all(r["requests"] > 0 and r["itl_ms"] > 0 for r in replicas.values())
     assert all(r.ttft_ms <= r.e2e_ms and r.first_token_s <= r.end_s and r.output_tokens == 4 for r in ok)
 
     # Impossibly tight TTFT: nobody meets it. The same rows against loose SLOs: everybody does.
@@ -267,6 +288,13 @@ def test_compare_reports_each_variants_median_rate_and_ratios_of_medians(tmp_pat
         assert result.variants[name].max_rates == [
             search(_fake_measure(c, []), SLOConfig(), start_rate=1.5, bisect_steps=2).max_rate for c in caps
         ]
+    for name, caps in CAPACITIES.items():
+        assert result.variants[name].crossing_rates == [
+            search(_fake_measure(c, []), SLOConfig(), start_rate=1.5, bisect_steps=2).crossing_rate for c in caps
+        ]
+        assert result.variants[name].crossing_rate == float(np.median(result.variants[name].crossing_rates))
+    crossing = {name: v.crossing_rate for name, v in result.variants.items()}
+    assert result.crossing_ratios["wcs_vs_dspark"] == pytest.approx(crossing["wcs"] / crossing["dspark"])
     rates = {name: v.max_rate for name, v in result.variants.items()}
     assert rates == {name: float(np.median(v.max_rates)) for name, v in result.variants.items()}
     assert result.ratios["wcs_vs_dspark"] == pytest.approx(rates["wcs"] / rates["dspark"])
@@ -310,3 +338,31 @@ def test_compare_without_warm_up_measures_only_probes(tmp_path):
     events: list = []
     _compare(tmp_path, events, "interleaved", repeats=1, warmup_s=0.0, variants=("wcs",))
     assert not any(e[0] == "warm" for e in events) and any(e[0] == "probe" for e in events)
+
+
+def _metrics_text(replicas: dict[str, tuple[float, float, float, float]]) -> str:
+    """A /metrics exposition as a ForeSpark server writes it: per replica (stop, abort, ITL sum s, ITL count)."""
+    lines = ["# TYPE vllm:request_success counter", 'vllm:request_success_total{finished_reason="stop"} 99.0']  # the ingress's own
+    for r, (stop, abort, _, _) in replicas.items():
+        lines += [f'vllm:request_success_total{{finished_reason="stop",replica="{r}"}} {stop}',
+                  f'vllm:request_success_total{{finished_reason="abort",replica="{r}"}} {abort}']
+    lines.append("# TYPE vllm:inter_token_latency_seconds histogram")
+    for r, (_, _, total, count) in replicas.items():
+        lines += [f'vllm:inter_token_latency_seconds_bucket{{le="+Inf",replica="{r}"}} {count}',
+                  f'vllm:inter_token_latency_seconds_sum{{replica="{r}"}} {total}',
+                  f'vllm:inter_token_latency_seconds_count{{replica="{r}"}} {count}']
+    return "\n".join(lines) + "\n"
+
+
+def test_replica_loads_are_each_replicas_finished_requests_and_engine_itl_over_the_run():
+    from loadtest.server_metrics import counters_from_text, format_loads, replica_loads
+
+    before = counters_from_text(_metrics_text({"a": (10, 1, 1.0, 100), "b": (5, 0, 2.0, 100)}))
+    after = counters_from_text(_metrics_text({"a": (40, 9, 1.6, 200), "b": (15, 0, 3.2, 200), "c": (10, 0, 0.0, 0)}))
+    loads = replica_loads(before, after)
+    assert list(loads) == ["a", "b", "c"]  # a replica that started during the run counts from zero
+    assert [loads[r].requests for r in loads] == [30, 10, 10]  # aborts and the ingress's unlabelled series are not requests
+    assert [loads[r].share for r in loads] == pytest.approx([0.6, 0.2, 0.2])
+    assert loads["a"].itl_ms == pytest.approx(6.0) and loads["b"].itl_ms == pytest.approx(12.0) and loads["c"].itl_ms is None
+    assert format_loads(loads) == "replicas 60%/20%/20% of requests, ITL 6.0/12.0/- ms"
+    assert replica_loads({}, counters_from_text("# TYPE x counter\nx_total 1.0\n")) == {}  # not a ForeSpark server

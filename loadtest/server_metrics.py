@@ -1,0 +1,88 @@
+"""What the server itself says about a load test, per engine replica, read over HTTP from its `/metrics`.
+
+A ForeSpark server labels every replica's series with `replica`. Two scrapes,
+before and after a run, give each replica's share of the finished requests
+and its mean inter-token latency as the engine measured it: a run in which
+one replica took most of the load, or streamed slower than the others, shows
+here and not in the client's percentiles. A server without those series
+(another OpenAI server) gives an empty result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+from pydantic import BaseModel
+
+SUCCESS = "vllm:request_success_total"
+ITL_SUM, ITL_COUNT = "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"
+
+Counters = dict[str, dict[str, float]]  # replica -> series name -> value
+
+
+class ReplicaLoad(BaseModel):
+    requests: float  # finished (stop or length) during the run
+    share: float  # of all replicas' finished requests
+    itl_ms: float | None  # mean inter-token latency in the engine during the run
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> Counters:
+    """The server's counters now (empty when it has none or does not answer)."""
+    try:
+        return counters_from_text(httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout_s).text)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def counters_from_text(text: str) -> Counters:
+    """Per replica: finished requests and the inter-token latency histogram's sum and count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: Counters = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            replica = s.labels.get("replica")
+            if replica is None or s.name not in (SUCCESS, ITL_SUM, ITL_COUNT):
+                continue
+            if s.name == SUCCESS and s.labels.get("finished_reason") not in ("stop", "length"):
+                continue  # aborted requests did not finish
+            row = counters.setdefault(replica, {})
+            row[s.name] = row.get(s.name, 0.0) + s.value
+    return counters
+
+
+def replica_loads(before: Counters, after: Counters) -> dict[str, ReplicaLoad]:
+    deltas = {
+        replica: {name: value - before.get(replica, {}).get(name, 0.0) for name, value in row.items()}
+        for replica, row in after.items()
+    }
+    total = sum(d.get(SUCCESS, 0.0) for d in deltas.values())
+    return {
+        replica: ReplicaLoad(
+            requests=d.get(SUCCESS, 0.0),
+            share=d.get(SUCCESS, 0.0) / total if total > 0 else 0.0,
+            itl_ms=1000.0 * d[ITL_SUM] / d[ITL_COUNT] if d.get(ITL_COUNT, 0.0) > 0 else None,
+        )
+        for replica, d in sorted(deltas.items())
+    }
+
+
+def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0, poll: Callable[[str], Counters] = scrape) -> dict[str, ReplicaLoad]:
+    """The replicas' loads once their counts reach `finished` (the client's successful requests): replicas post
+    their metrics periodically, so the last requests show up to a period late. Gives up after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        loads = replica_loads(before, poll(url))
+        if not loads or sum(r.requests for r in loads.values()) >= finished or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.5)
+
+
+def format_loads(loads: dict[str, ReplicaLoad]) -> str:
+    if not loads:
+        return ""
+    shares = "/".join(f"{r.share:.0%}" for r in loads.values())
+    itl = "/".join("-" if r.itl_ms is None else f"{r.itl_ms:.1f}" for r in loads.values())
+    return f"replicas {shares} of requests, ITL {itl} ms"

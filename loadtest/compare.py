@@ -43,6 +43,7 @@ class Variant(BaseModel):
     policy: str
     router: str
     online_cost: bool = True  # the engine corrects its profiled step cost while serving (WCSConfig.online_cost)
+    slo_step_cap: bool = False  # the planner caps predicted step time at the TPOT SLO (WCSConfig.max_step_ms)
 
 
 VARIANTS = {
@@ -52,6 +53,8 @@ VARIANTS = {
     "dspark-online": Variant(name="dspark-online", policy="dspark", router="acceptance_headroom"),
     "ar": Variant(name="ar", policy="ar", router="acceptance_headroom"),
     "wcs-pow2": Variant(name="wcs-pow2", policy="wcs", router="pow2"),
+    # A request that drafts nothing gets one token per step: its TPOT is the step time, whatever others gain.
+    "wcs-slo-cap": Variant(name="wcs-slo-cap", policy="wcs", router="acceptance_headroom", slo_step_cap=True),
 }
 RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "router_vs_pow2": ("wcs", "wcs-pow2")}
 
@@ -86,6 +89,8 @@ def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig) -
         replica["tpot_slo_ms"] = slo.tpot_ms
     engine = replica.setdefault("engine", {})
     engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost)
+    if variant.slo_step_cap and slo.tpot_ms is not None:
+        engine["wcs"]["max_step_ms"] = slo.tpot_ms
     config.setdefault("router", {})["kind"] = variant.router
     return config
 

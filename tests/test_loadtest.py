@@ -366,3 +366,21 @@ def test_replica_loads_are_each_replicas_finished_requests_and_engine_itl_over_t
     assert loads["a"].itl_ms == pytest.approx(6.0) and loads["b"].itl_ms == pytest.approx(12.0) and loads["c"].itl_ms is None
     assert format_loads(loads) == "replicas 60%/20%/20% of requests, ITL 6.0/12.0/- ms"
     assert replica_loads({}, counters_from_text("# TYPE x counter\nx_total 1.0\n")) == {}  # not a ForeSpark server
+
+
+def test_variant_app_configs_set_policy_pricing_router_and_the_slo_step_cap():
+    from cluster.app import AppConfig
+    from loadtest.compare import VARIANTS, variant_app_config
+
+    slo = SLOConfig(tpot_ms=25.0)
+    base = {"replica": {"num_replicas": 2, "engine": {"wcs": {"replan_every": 4}}}}
+    configs = {name: AppConfig.model_validate(variant_app_config(base, v, slo)) for name, v in VARIANTS.items()}
+    assert {name: (c.replica.engine.wcs.policy.value, c.router.kind) for name, c in configs.items()} == {
+        name: (v.policy, v.router) for name, v in VARIANTS.items()
+    }
+    assert all(c.replica.num_replicas == 2 and c.replica.engine.wcs.replan_every == 4 for c in configs.values())
+    assert all(c.replica.tpot_slo_ms == 25.0 for c in configs.values())
+    assert configs["dspark"].replica.engine.wcs.online_cost is False and configs["wcs"].replica.engine.wcs.online_cost is True
+    assert configs["wcs-slo-cap"].replica.engine.wcs.max_step_ms == 25.0
+    assert all(c.replica.engine.wcs.max_step_ms is None for name, c in configs.items() if name != "wcs-slo-cap")
+    assert base["replica"]["engine"]["wcs"] == {"replan_every": 4}  # the base is not modified

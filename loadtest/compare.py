@@ -74,7 +74,7 @@ CompareProtocol = Literal["interleaved", "sequential"]
 
 class CompareResult(BaseModel):
     slo: SLOConfig
-    protocol: CompareProtocol = "sequential"
+    protocol: CompareProtocol = "sequential"  # results written before there were two protocols were sequential
     variants: dict[str, VariantResult]
     ratios: dict[str, float | None]  # of median max_rate
     crossing_ratios: dict[str, float | None]  # of median crossing_rate
@@ -120,7 +120,7 @@ class ServerProcess:
         self.log_path = work_dir / "server.log"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
-        self._paused: list = []
+        self._paused: list = []  # psutil.Process objects stopped by pause()
 
     def pause(self) -> None:
         import psutil

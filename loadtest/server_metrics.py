@@ -11,7 +11,6 @@ here and not in the client's percentiles. A server without those series
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import httpx
 from pydantic import BaseModel
@@ -69,12 +68,12 @@ def replica_loads(before: Counters, after: Counters) -> dict[str, ReplicaLoad]:
     }
 
 
-def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0, poll: Callable[[str], Counters] = scrape) -> dict[str, ReplicaLoad]:
+def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0) -> dict[str, ReplicaLoad]:
     """The replicas' loads once their counts reach `finished` (the client's successful requests): replicas post
     their metrics periodically, so the last requests show up to a period late. Gives up after `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        loads = replica_loads(before, poll(url))
+        loads = replica_loads(before, scrape(url))
         if not loads or sum(r.requests for r in loads.values()) >= finished or time.monotonic() > deadline:
             return loads
         time.sleep(0.5)

@@ -156,6 +156,16 @@ def _domain_weights(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(f"expected domain=weight,..., got {text!r}") from None
 
 
+def _positive_floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
 def _load_config(args: argparse.Namespace, url: str, rate: float):
     from loadtest.config import LoadTestConfig, Shape
 
@@ -240,7 +250,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 2
     base, slo = inputs
     result = compare(base, slo, list(args.variants), base_app, local_servers(args.port), args.start_rate, args.bisect_steps, args.repeats,
-                     warmup_s=args.warmup, protocol=args.protocol or default_protocol(base_app))
+                     warmup_s=args.warmup, protocol=args.protocol or default_protocol(base_app), tpot_sweep_ms=args.tpot_sweep)
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
     print(f"wrote {Path(args.out) / 'compare.png'}")
@@ -432,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--start-rate", type=float, default=1.0, help="first rate probed (req/s)")
     cmp_.add_argument("--bisect-steps", type=int, default=3)
     cmp_.add_argument("--repeats", type=int, default=1, help="rounds over all variants; rates are medians over rounds")
+    cmp_.add_argument("--tpot-sweep", type=_positive_floats, default=(), metavar="MS,MS,...",
+                      help="further TPOT SLOs: each variant's capacity against each too, on the same servers after the main "
+                           "search; rates already probed are re-evaluated from their per-request rows, not measured again")
     cmp_.add_argument("--warmup", type=float, default=10.0, metavar="SECONDS",
                       help="load at the start rate after each server start, not counted (0: none)")
     _add_load_options(cmp_, "results/compare", 30.0)

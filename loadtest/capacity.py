@@ -7,7 +7,7 @@ until one passes), then bisect between the highest pass and the lowest fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -116,6 +116,31 @@ class Search:
                 crossing_rate=crossing_rate(self.path, done.value, self.slo.attainment_target),
             )
         return probe
+
+
+class SLOSweep:
+    """Capacity searches on one server against several SLOs, one after another, sharing probes: a rate an
+    earlier search measured is re-evaluated against the later search's SLO from its per-request rows, not
+    measured again. `search` is the open search; `record` takes a measurement of its rate; `replay` then
+    advances every search that asks for a rate already measured."""
+
+    def __init__(self, slos: list[SLOConfig], start_rate: float = 1.0, bisect_steps: int = 3):
+        self.searches = [Search(slo, start_rate, bisect_steps) for slo in slos]
+        self.measured: dict[float, LoadTestConfig] = {}
+
+    @property
+    def search(self) -> Search | None:
+        return next((s for s in self.searches if s.result is None), None)
+
+    def record(self, load: LoadTestConfig, report: LoadTestReport) -> Probe:
+        search = self.search
+        assert search is not None and load.rate == search.rate
+        self.measured[load.rate] = load
+        return search.record(report)
+
+    def replay(self, evaluate: Callable[[LoadTestConfig, SLOConfig], LoadTestReport]) -> Iterator[tuple[Search, Probe]]:
+        while (s := self.search) is not None and s.rate in self.measured:
+            yield s, s.record(evaluate(self.measured[s.rate], s.slo))
 
 
 def search(

@@ -13,6 +13,12 @@ on the same machine. Two protocols:
 
 With repeats, every variant is searched once per round and its rate is the
 median over rounds. The result is the ratio of median sustainable request rates.
+
+Further TPOT SLOs (`tpot_sweep_ms`) get their own searches on the same
+servers after the main one, in the same turns; a rate already measured is
+re-evaluated against the new SLO from its per-request rows rather than
+measured again, so a sweep costs only the probes its knees need. The
+replicas keep the main SLO as their routing headroom throughout.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -32,10 +38,10 @@ import numpy as np
 import yaml
 from pydantic import BaseModel
 
-from loadtest.capacity import CapacityResult, Search, format_probe, load_at
+from loadtest.capacity import CapacityResult, Probe, Search, SLOSweep, format_probe, load_at
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport
-from loadtest.run import run_loadtest
+from loadtest.run import rebuild_report, run_loadtest
 
 
 class Variant(BaseModel):
@@ -72,12 +78,18 @@ class VariantResult(BaseModel):
 CompareProtocol = Literal["interleaved", "sequential"]
 
 
-class CompareResult(BaseModel):
+class SLOComparison(BaseModel):
     slo: SLOConfig
-    protocol: CompareProtocol = "sequential"  # results written before there were two protocols were sequential
     variants: dict[str, VariantResult]
     ratios: dict[str, float | None]  # of median max_rate
     crossing_ratios: dict[str, float | None]  # of median crossing_rate
+
+
+class CompareResult(SLOComparison):
+    """The comparison under the main SLO, and under each further TPOT SLO of a sweep."""
+
+    protocol: CompareProtocol = "sequential"  # results written before there were two protocols were sequential
+    tpot_sweep: list[SLOComparison] = []
 
 
 def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig) -> dict[str, Any]:
@@ -189,6 +201,7 @@ def ratio(variants: dict[str, VariantResult], a: str, b: str, field: str = "max_
 
 ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[Server]]  # (app config, work dir) -> a running server
 Measure = Callable[[LoadTestConfig, SLOConfig], LoadTestReport]  # one load test
+Evaluate = Callable[[LoadTestConfig, SLOConfig], LoadTestReport]  # a finished load test against another SLO
 
 
 def measure_load(load: LoadTestConfig, slo: SLOConfig) -> LoadTestReport:
@@ -232,6 +245,8 @@ def compare(
     warmup_s: float = 10.0,
     protocol: CompareProtocol = "interleaved",
     settle_s: float = 3.0,
+    tpot_sweep_ms: Sequence[float] = (),
+    evaluate: Evaluate = rebuild_report,
 ) -> CompareResult:
     """Each repeat searches every variant once; a variant's rate is the median over repeats.
 
@@ -240,7 +255,9 @@ def compare(
     router's first stats), and they would otherwise fall on whichever probe comes first. A resumed
     server gets `settle_s` before its probe: its replicas' routing stats went stale while it was paused.
     """
-    results_of: dict[str, list[CapacityResult]] = {name: [] for name in variants}
+    slos = [slo] + [slo.model_copy(update={"tpot_ms": t}) for t in dict.fromkeys(tpot_sweep_ms) if t != slo.tpot_ms]
+    results_of: list[dict[str, list[CapacityResult]]] = [{name: [] for name in variants} for _ in slos]
+    label = (lambda s: f"[TPOT {s.tpot_ms:g} ms] ") if len(slos) > 1 else (lambda s: "")
 
     def start(name: str, work: Path, stack: ExitStack) -> Server:
         variant = VARIANTS[name]
@@ -255,21 +272,31 @@ def compare(
             log(f"   warm-up: {warmup_s:g} s at {start_rate:g} req/s, not counted (attainment {measure(warm, slo).attainment:.1%})")
         return server
 
-    def probe(name: str, server: Server, search: Search, rep: int) -> None:
-        load = base_load.model_copy(update={"url": server.url, "out_dir": Path(base_load.out_dir) / name / f"repeat-{rep}"})
-        log(f"   {name} (repeat {rep + 1}/{repeats}): " + format_probe(search.record(measure(load_at(load, search.rate), slo))))
+    def logged(name: str, rep: int, search: Search, probe: Probe, note: str = "") -> None:
+        log(f"   {name} (repeat {rep + 1}/{repeats}): {label(search.slo)}{format_probe(probe)}{note}")
         if search.result is not None:
-            results_of[name].append(search.result)
-            log(f"   {name}: max sustainable rate {search.result.max_rate:.3g} req/s (crossing {search.result.crossing_rate:.3g})")
+            results_of[slos.index(search.slo)][name].append(search.result)
+            log(f"   {name}: {label(search.slo)}max sustainable rate {search.result.max_rate:.3g} req/s "
+                f"(crossing {search.result.crossing_rate:.3g})")
+
+    def probe(name: str, server: Server, sweep: SLOSweep, rep: int) -> None:
+        """One measurement for the open search, then every later search that only needs rates measured."""
+        search = sweep.search
+        assert search is not None
+        load = base_load.model_copy(update={"url": server.url, "out_dir": Path(base_load.out_dir) / name / f"repeat-{rep}"})
+        load = load_at(load, search.rate)
+        logged(name, rep, search, sweep.record(load, measure(load, search.slo)))
+        for later, probe in sweep.replay(evaluate):
+            logged(name, rep, later, probe, " (rows measured earlier)")
 
     if protocol == "sequential":
         for rep in range(repeats):
             for name in variants:
                 with ExitStack() as stack:
                     server = start(name, Path(base_load.out_dir) / name / f"repeat-{rep}", stack)
-                    search = Search(slo, start_rate, bisect_steps)
-                    while search.result is None:
-                        probe(name, server, search, rep)
+                    sweep = SLOSweep(slos, start_rate, bisect_steps)
+                    while sweep.search is not None:
+                        probe(name, server, sweep, rep)
     else:
         with ExitStack() as stack:
             servers: dict[str, Server] = {}
@@ -277,36 +304,43 @@ def compare(
                 servers[name] = start(name, Path(base_load.out_dir) / name, stack)
                 servers[name].pause()
             for rep in range(repeats):
-                searches = {name: Search(slo, start_rate, bisect_steps) for name in variants}
-                while pending := [name for name in variants if searches[name].result is None]:
+                sweeps = {name: SLOSweep(slos, start_rate, bisect_steps) for name in variants}
+                while pending := [name for name in variants if sweeps[name].search is not None]:
                     for name in pending:  # one probe each, in turn
                         servers[name].resume()
                         time.sleep(settle_s)
-                        probe(name, servers[name], searches[name], rep)
+                        probe(name, servers[name], sweeps[name], rep)
                         servers[name].pause()
+    main, *sweep = [comparison(s, found) for s, found in zip(slos, results_of)]
+    return CompareResult(**dict(main), protocol=protocol, tpot_sweep=sweep)
+
+
+def comparison(slo: SLOConfig, found: dict[str, list[CapacityResult]]) -> SLOComparison:
+    """Each variant's median over its rounds' searches under `slo`, and the ratios of those medians."""
     results = {}
-    for name, found in results_of.items():
-        max_rates, crossings = [r.max_rate for r in found], [r.crossing_rate for r in found]
+    for name, rounds in found.items():
+        max_rates, crossings = [r.max_rate for r in rounds], [r.crossing_rate for r in rounds]
         results[name] = VariantResult(
-            policy=VARIANTS[name].policy, router=VARIANTS[name].router, capacity=found[-1],
+            policy=VARIANTS[name].policy, router=VARIANTS[name].router, capacity=rounds[-1],
             max_rate=float(np.median(max_rates)), max_rates=max_rates, crossing_rate=float(np.median(crossings)), crossing_rates=crossings,
         )
-    return CompareResult(
-        slo=slo, protocol=protocol, variants=results,
+    return SLOComparison(
+        slo=slo, variants=results,
         ratios={key: ratio(results, a, b) for key, (a, b) in RATIOS.items()},
         crossing_ratios={key: ratio(results, a, b, "crossing_rate") for key, (a, b) in RATIOS.items()},
     )
 
 
 def format_compare(result: CompareResult) -> str:
-    lines = [
-        f"protocol: {result.protocol}",
-        f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11} {'crossing':>8}  repeats (rate / crossing)",
-    ]
-    for name, v in result.variants.items():
-        repeats = ", ".join(f"{r:.3g} / {c:.3g}" for r, c in zip(v.max_rates, v.crossing_rates))
-        lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g} {v.crossing_rate:>8.3g}  {repeats}")
-    for key, value in result.ratios.items():
-        crossing = result.crossing_ratios[key]
-        lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'} (crossing {'-' if crossing is None else f'{crossing:.2f}x'})")
+    lines = [f"protocol: {result.protocol}"]
+    for c in [result, *result.tpot_sweep]:
+        if result.tpot_sweep:
+            lines.append(f"-- TPOT SLO {c.slo.tpot_ms:g} ms (TTFT {c.slo.ttft_ms:g} ms, attainment >= {c.slo.attainment_target:.0%})")
+        lines.append(f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11} {'crossing':>8}  repeats (rate / crossing)")
+        for name, v in c.variants.items():
+            repeats = ", ".join(f"{r:.3g} / {x:.3g}" for r, x in zip(v.max_rates, v.crossing_rates))
+            lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g} {v.crossing_rate:>8.3g}  {repeats}")
+        for key, value in c.ratios.items():
+            crossing = c.crossing_ratios[key]
+            lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'} (crossing {'-' if crossing is None else f'{crossing:.2f}x'})")
     return "\n".join(lines)

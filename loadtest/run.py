@@ -98,4 +98,10 @@ def run_loadtest(config: LoadTestConfig, slo: SLOConfig, progress: bool = True, 
     return report
 
 
-__all__ = ["LoadTestError", "format_report", "run_locust", "run_loadtest"]
+def rebuild_report(config: LoadTestConfig, slo: SLOConfig) -> LoadTestReport:
+    """A finished load test's report against `slo`, from the per-request rows it wrote: any SLO can be
+    checked after the fact (without the server's per-replica account, which was scraped at the time)."""
+    return build_report(read_rows(config.out_dir), slo, config.rate, config.duration_s)
+
+
+__all__ = ["LoadTestError", "format_report", "rebuild_report", "run_locust", "run_loadtest"]

@@ -15,7 +15,7 @@ from scipy import stats
 from loadtest.capacity import search
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport, Percentiles, build_report, read_rows
-from loadtest.run import free_port
+from loadtest.run import free_port, rebuild_report
 
 
 def _fake_measure(capacity: float, calls: list[float]):
@@ -141,6 +141,11 @@ def test_a_real_locust_run_agrees_with_the_server_and_paces_poisson_arrivals(ser
     assert report["attainment"] == 0.0 and report["sustainable"] is False and report["goodput_rps"] == 0.0
     loose = build_report(rows, SLOConfig(ttft_ms=1e9, tpot_ms=1e9, e2e_ms=1e9), rate, duration)
     assert loose.attainment == len(ok) / len(rows) and loose.met_slo == len(ok)
+    # What `compare --tpot-sweep` re-evaluates: the finished run's own rows, read back, against any SLO.
+    run = LoadTestConfig(url=server.url, rate=rate, duration_s=duration, out_dir=out)
+    assert rebuild_report(run, SLOConfig.model_validate(report["slo"])).model_dump(mode="json", exclude={"replicas"}) == {
+        k: v for k, v in report.items() if k != "replicas"}
+    assert rebuild_report(run, SLOConfig(ttft_ms=1e9, tpot_ms=1e9, e2e_ms=1e9)).met_slo == len(ok)
 
     # No request left before its planned arrival (1 ms for the clock), and each one's lateness is recorded and summarised.
     assert all(r.start_s >= r.scheduled_s - 0.001 and abs((r.start_s - r.scheduled_s) * 1000 - r.lag_ms) < 1.0 for r in rows)
@@ -235,7 +240,8 @@ class _StandInServer:
 
 
 def _stand_ins(capacities: dict[str, list[float]], events: list):
-    """A server starter and a measurement: variant `name` sustains up to capacities[name][repeat]."""
+    """A server starter, a measurement and a re-evaluation: variant `name` sustains up to capacities[name][repeat]
+    against the TPOT SLO of 37 ms, and proportionally more against a looser one."""
     from contextlib import contextmanager
 
     served = {("wcs", "acceptance_headroom"): "wcs", ("dspark", "acceptance_headroom"): "dspark", ("wcs", "pow2"): "wcs-pow2"}
@@ -258,23 +264,29 @@ def _stand_ins(capacities: dict[str, list[float]], events: list):
             events.append(("warm", name, load.rate, load.duration_s))
             return LoadTestReport.model_construct(attainment=0.5)
         rep = int(load.out_dir.parent.name.split("-")[1])
-        events.append(("probe", name, load.rate))
-        return _fake_measure(capacities[name][rep], [])(load.rate)
+        events.append(("probe", name, load.rate, slo.tpot_ms, rep))
+        return _fake_measure(capacities[name][rep] * slo.tpot_ms / 37.0, [])(load.rate)
 
-    return start_server, measure
+    def evaluate(load, slo):
+        name, rep = load.url.rsplit("/", 1)[1], int(load.out_dir.parent.name.split("-")[1])
+        events.append(("evaluate", name, rep, load.rate, slo.tpot_ms))
+        return _fake_measure(capacities[name][rep] * slo.tpot_ms / 37.0, [])(load.rate)
+
+    return start_server, measure, evaluate
 
 
 CAPACITIES = {"wcs": [6.0, 9.0, 7.0], "dspark": [4.0, 5.0, 3.0], "wcs-pow2": [7.0, 2.0, 5.0]}
 
 
-def _compare(tmp_path, events, protocol, repeats=3, warmup_s=7.0, variants=("wcs", "dspark", "wcs-pow2")):
+def _compare(tmp_path, events, protocol, repeats=3, warmup_s=7.0, variants=("wcs", "dspark", "wcs-pow2"), tpot_sweep_ms=()):
     from loadtest.compare import compare
 
-    start_server, measure = _stand_ins(CAPACITIES, events)
+    start_server, measure, evaluate = _stand_ins(CAPACITIES, events)
     base = LoadTestConfig(url="http://unused", rate=1.0, duration_s=1.0, out_dir=tmp_path)
     return compare(
         base, SLOConfig(tpot_ms=37.0), list(variants), {"replica": {"num_replicas": 3, "tpot_slo_ms": 50}}, start_server, 1.5,
         bisect_steps=2, repeats=repeats, log=lambda _: None, measure=measure, warmup_s=warmup_s, protocol=protocol, settle_s=0.0,
+        tpot_sweep_ms=tpot_sweep_ms, evaluate=evaluate,
     )
 
 
@@ -332,6 +344,29 @@ def test_interleaved_compare_keeps_servers_up_and_takes_turns_with_the_others_pa
         assert len(set(lengths.values())) > 1  # searches of different lengths, so the test sees variants drop out
         expected += [name for k in range(max(lengths.values())) for name in CAPACITIES if lengths[name] > k]
     assert [events[i][1] for i in probes] == expected
+
+
+@pytest.mark.parametrize("protocol", ["sequential", "interleaved"])
+def test_a_tpot_sweep_searches_each_slo_and_measures_each_rate_once_per_server_and_round(tmp_path, protocol):
+    events: list = []
+    result = _compare(tmp_path, events, protocol, tpot_sweep_ms=(18.5, 37.0, 74.0))
+    assert [c.slo.tpot_ms for c in [result, *result.tpot_sweep]] == [37.0, 18.5, 74.0]  # the main SLO once, first
+    assert all(c.slo.ttft_ms == result.slo.ttft_ms for c in result.tpot_sweep)
+    searches = 0
+    for c in [result, *result.tpot_sweep]:
+        for name, caps in CAPACITIES.items():
+            plain = [search(_fake_measure(cap * c.slo.tpot_ms / 37.0, []), SLOConfig(), start_rate=1.5, bisect_steps=2) for cap in caps]
+            assert c.variants[name].max_rates == [r.max_rate for r in plain]
+            assert c.variants[name].crossing_rates == [r.crossing_rate for r in plain]
+            searches += sum(len(r.path) for r in plain)
+        rates = {name: v.max_rate for name, v in c.variants.items()}
+        assert c.ratios["wcs_vs_dspark"] == pytest.approx(rates["wcs"] / rates["dspark"])
+    probes = [(e[1], e[4], e[2]) for e in events if e[0] == "probe"]  # (variant, round, rate)
+    assert len(probes) == len(set(probes))  # no server measures a rate twice in a round
+    reused = [e for e in events if e[0] == "evaluate"]
+    for _, name, rep, rate, tpot in reused:  # only rates that server measured in that round, never for the main SLO
+        assert (name, rep, rate) in probes and tpot != 37.0
+    assert len(probes) + len(reused) == searches and reused  # every search got its whole path; some of it reused
 
 
 def test_compare_without_warm_up_measures_only_probes(tmp_path):

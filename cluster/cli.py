@@ -226,7 +226,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import yaml
 
     from loadtest.capacity import plot_capacity
-    from loadtest.compare import VARIANTS, compare, default_protocol, format_compare, local_servers
+    from loadtest.compare import VARIANTS, compare, default_protocol, format_compare, local_servers, plot_tpot_sweep
 
     if args.repeats < 1:
         print("forespark compare: --repeats must be >= 1", file=sys.stderr)
@@ -254,6 +254,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(format_compare(result))
     plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.out) / "compare.png")
     print(f"wrote {Path(args.out) / 'compare.png'}")
+    if result.tpot_sweep:
+        plot_tpot_sweep(result, Path(args.out) / "tpot-sweep.png")
+        print(f"wrote {Path(args.out) / 'tpot-sweep.png'}")
     _write_json(args.json or str(Path(args.out) / "compare.json"), result.model_dump(mode="json"))
     return 0
 

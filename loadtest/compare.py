@@ -335,7 +335,7 @@ def format_compare(result: CompareResult) -> str:
     lines = [f"protocol: {result.protocol}"]
     for c in [result, *result.tpot_sweep]:
         if result.tpot_sweep:
-            lines.append(f"-- TPOT SLO {c.slo.tpot_ms:g} ms (TTFT {c.slo.ttft_ms:g} ms, attainment >= {c.slo.attainment_target:.0%})")
+            lines.append(f"-- {c.slo.describe()}")
         lines.append(f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11} {'crossing':>8}  repeats (rate / crossing)")
         for name, v in c.variants.items():
             repeats = ", ".join(f"{r:.3g} / {x:.3g}" for r, x in zip(v.max_rates, v.crossing_rates))
@@ -344,3 +344,25 @@ def format_compare(result: CompareResult) -> str:
             crossing = c.crossing_ratios[key]
             lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'} (crossing {'-' if crossing is None else f'{crossing:.2f}x'})")
     return "\n".join(lines)
+
+
+def plot_tpot_sweep(result: CompareResult, path: Path) -> None:
+    """Each variant's median sustainable rate (points) and crossing rate (line) against the TPOT SLO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comparisons = sorted([result, *result.tpot_sweep], key=lambda c: c.slo.tpot_ms or 0.0)
+    tpots = [c.slo.tpot_ms for c in comparisons]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in result.variants:
+        line = ax.plot(tpots, [c.variants[name].crossing_rate for c in comparisons], label=f"{name} (crossing)")[0]
+        ax.scatter(tpots, [c.variants[name].max_rate for c in comparisons], color=line.get_color(), marker="o")
+    ax.set_xlabel("TPOT SLO (ms)")
+    ax.set_ylabel(f"sustainable rate (req/s, attainment >= {result.slo.attainment_target:.0%})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -33,6 +33,11 @@ class SLOConfig(BaseModel):
 
         return cls.model_validate(yaml.safe_load(Path(path or DEFAULT_SLO).read_text()) or {})
 
+    def describe(self) -> str:
+        """e.g. `TTFT 1000 ms, TPOT 20 ms, attainment >= 90%` (thresholds not set are left out)."""
+        set_ = [f"{name} {value:g} ms" for name, value in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms), ("E2E", self.e2e_ms)) if value]
+        return ", ".join([*set_, f"attainment >= {self.attainment_target:.0%}"])
+
 
 class Shape(BaseModel):
     """Request rate over time: constant, steps up every `step_s`, or a burst of `burst_rate` for `burst_s`."""

@@ -348,6 +348,8 @@ def test_interleaved_compare_keeps_servers_up_and_takes_turns_with_the_others_pa
 
 @pytest.mark.parametrize("protocol", ["sequential", "interleaved"])
 def test_a_tpot_sweep_searches_each_slo_and_measures_each_rate_once_per_server_and_round(tmp_path, protocol):
+    from loadtest.compare import format_compare, plot_tpot_sweep
+
     events: list = []
     result = _compare(tmp_path, events, protocol, tpot_sweep_ms=(18.5, 37.0, 74.0))
     assert [c.slo.tpot_ms for c in [result, *result.tpot_sweep]] == [37.0, 18.5, 74.0]  # the main SLO once, first
@@ -367,6 +369,12 @@ def test_a_tpot_sweep_searches_each_slo_and_measures_each_rate_once_per_server_a
     for _, name, rep, rate, tpot in reused:  # only rates that server measured in that round, never for the main SLO
         assert (name, rep, rate) in probes and tpot != 37.0
     assert len(probes) + len(reused) == searches and reused  # every search got its whole path; some of it reused
+    if protocol == "interleaved":  # the sweep's plot and table, once
+        plot_tpot_sweep(result, tmp_path / "tpot-sweep.png")
+        assert (tmp_path / "tpot-sweep.png").stat().st_size > 10_000
+        table = format_compare(result)
+        assert [line for line in table.splitlines() if line.startswith("--")] == [
+            "-- TPOT 37 ms, attainment >= 90%", "-- TPOT 18.5 ms, attainment >= 90%", "-- TPOT 74 ms, attainment >= 90%"]
 
 
 def test_compare_without_warm_up_measures_only_probes(tmp_path):

@@ -50,6 +50,12 @@ class Variant(BaseModel):
     router: str
     online_cost: bool = True  # the engine corrects its profiled step cost while serving (WCSConfig.online_cost)
     slo_step_cap: bool = False  # the planner caps predicted step time at the TPOT SLO (WCSConfig.max_step_ms)
+    pace: bool = False  # the planner keeps every request on a TPOT pace under the SLO (WCSConfig.pace_tpot_ms)
+
+
+# The engine paces from its own clock, which misses what the HTTP stack adds per request; a fifth of the SLO is
+# left for that.
+PACE_SHARE = 0.8
 
 
 VARIANTS = {
@@ -61,6 +67,8 @@ VARIANTS = {
     "wcs-pow2": Variant(name="wcs-pow2", policy="wcs", router="pow2"),
     # A request that drafts nothing gets one token per step: its TPOT is the step time, whatever others gain.
     "wcs-slo-cap": Variant(name="wcs-slo-cap", policy="wcs", router="acceptance_headroom", slo_step_cap=True),
+    # Long steps only while no request falls behind its pace: prose that accepts little bounds the step.
+    "wcs-pace": Variant(name="wcs-pace", policy="wcs", router="acceptance_headroom", pace=True),
 }
 RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "router_vs_pow2": ("wcs", "wcs-pow2")}
 
@@ -103,6 +111,8 @@ def variant_app_config(base: dict[str, Any], variant: Variant, slo: SLOConfig) -
     engine.setdefault("wcs", {}).update(policy=variant.policy, online_cost=variant.online_cost)
     if variant.slo_step_cap and slo.tpot_ms is not None:
         engine["wcs"]["max_step_ms"] = slo.tpot_ms
+    if variant.pace and slo.tpot_ms is not None:
+        engine["wcs"]["pace_tpot_ms"] = PACE_SHARE * slo.tpot_ms
     config.setdefault("router", {})["kind"] = variant.router
     return config
 

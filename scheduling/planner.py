@@ -50,6 +50,8 @@ def plan_step(
     hi: np.ndarray | None = None,
     token_budget: int | None = None,
     time_cap_ms: float | None = None,
+    slack_ms: np.ndarray | None = None,
+    tpot_ms: float | None = None,
     validate: bool = True,
 ) -> DraftPlan:
     """Draft widths with lo_i <= d_i <= hi_i maximising (R + sum gains) / T(R, sum d, R + sum d).
@@ -60,10 +62,15 @@ def plan_step(
     `validate=False` skips `check_survival` for curves built by
     `survival_from_hazards`.
 
-    A TPOT SLO needs no cap here: the batch's mean time per output token is
-    T * R / (R + sum gains), R over the objective, so the argmax is also the
-    plan with the lowest mean TPOT. Capping T at the SLO would instead forbid
-    long steps that give each request several tokens.
+    The batch's mean time per output token is T * R / (R + sum gains), R over
+    the objective, so the argmax is also the plan with the lowest mean TPOT.
+    Not every request's, though: one that accepts little gets about one token
+    from a step made long by the others' drafts. With `tpot_ms` and
+    `slack_ms` (B,) (how far each request is ahead of `tpot_ms` per token so
+    far), the argmax is taken only over prefixes whose T keeps every request
+    on that pace counting the tokens it expects (`SlotRanking.pace_bound_ms`);
+    when none does, the prefix that misses it least. A plain cap of T at the
+    SLO would instead forbid long steps that give each request several tokens.
     """
     survival = np.asarray(survival)
     if validate:
@@ -86,8 +93,13 @@ def plan_step(
     ranking = rank_slots(
         survival, cost, lo=lo_, hi=hi_, drafted_tokens=None, token_budget=token_budget, time_cap_ms=time_cap_ms,
     )
-    first = min(ranking.n_forced, ranking.feasible_upto)
-    best = first + int(ranking.scaled_ratio(ranking.feasible_upto)[first:].argmax())
+    upto = ranking.feasible_upto
+    first = min(ranking.n_forced, upto)
+    ratio = ranking.scaled_ratio(upto)[first:]
+    if tpot_ms is not None and slack_ms is not None:
+        late = ranking.step_ms[first : upto + 1] - ranking.pace_bound_ms(slack_ms, tpot_ms)[first : upto + 1]
+        ratio = np.where(late <= 0, ratio, -np.inf) if (late <= 0).any() else -late
+    best = first + int(ratio.argmax())
     return DraftPlan(
         draft=ranking.widths(best),
         slots=ranking.admitted(best, k),

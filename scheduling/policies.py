@@ -37,6 +37,9 @@ class StepLimits(BaseModel):
 
     token_budget: int | None = Field(default=None, ge=1, description="max target tokens per step")
     time_cap_ms: float | None = Field(default=None, gt=0, description="max predicted step time (TPOT SLO)")
+    pace_tpot_ms: float | None = Field(
+        default=None, gt=0, description="time per token each request is kept to, counting its slack (see plan_step)"
+    )
 
 
 class Policy(BaseModel):
@@ -74,7 +77,9 @@ class Policy(BaseModel):
         max_width: np.ndarray,
         oracle_accepted: np.ndarray | None = None,
         validate: bool = True,
+        slack_ms: np.ndarray | None = None,
     ) -> DraftPlan:
+        """`slack_ms` (B,): how far each request is ahead of `limits.pace_tpot_ms` (used only with it)."""
         lo, hi = self.draft_bounds(max_width, oracle_accepted)
         return plan_step(
             survival,
@@ -83,6 +88,8 @@ class Policy(BaseModel):
             hi=hi,
             token_budget=limits.token_budget,
             time_cap_ms=limits.time_cap_ms,
+            slack_ms=slack_ms,
+            tpot_ms=limits.pace_tpot_ms,
             validate=validate,
         )
 

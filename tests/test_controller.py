@@ -1,5 +1,7 @@
 """The step controller's plan hold: a plan that drafts nothing holds for `replan_every - 1` steps."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,28 @@ def test_a_new_policy_plans_at_once():
     assert ctl.holds_no_drafts()
     ctl.set_policy("wcs")
     assert not ctl.holds_no_drafts()
+
+
+def test_the_tpot_pace_counts_each_requests_slack_from_its_first_token():
+    ctl = StepController(WCSConfig(pace_tpot_ms=10.0), K, ConstantEstimator(K, prior=0.8, prior_weight=100.0), cost=CHEAP)
+    assert ctl.slack_ms(["a", "b"], np.array([1, 0]), now=100.0).tolist() == [0.0, np.inf]  # b is still prefilling
+    # 50 ms later a has 4 more tokens (40 ms of pace): 10 ms behind; b's pace starts at its first token.
+    assert ctl.slack_ms(["a", "b"], np.array([5, 1]), now=100.05) == pytest.approx([-10.0, 0.0])
+    assert ctl.slack_ms(["a", "b"], np.array([12, 3]), now=100.08) == pytest.approx([30.0, -10.0])
+    ctl.finish(["a"])  # finished or preempted: a request that comes back starts a new pace
+    assert ctl.slack_ms(["a"], np.array([12]), now=100.2).tolist() == [0.0]
+
+
+def test_a_request_behind_its_pace_shortens_the_step_and_one_ahead_does_not():
+    """The same batch and estimates: with the pace (a request 25 ms behind) the plan drafts less than without;
+    control: with no request behind, the pace leaves the plan as it was."""
+    estimator = ConstantEstimator(K, prior=0.8, prior_weight=100.0)
+    ids, features, width = ["a", "b"], np.zeros((2, 8)), np.full(2, K)
+    free = StepController(WCSConfig(), K, estimator, cost=CHEAP).plan(ids, features, width, generated=np.array([1, 1]))
+    paced = StepController(WCSConfig(pace_tpot_ms=12.0), K, estimator, cost=CHEAP)
+    paced.slack_ms(ids, np.array([1, 1]), now=time.perf_counter() - 0.045)  # both started 45 ms ago ...
+    draft = paced.plan(ids, features, width, generated=np.array([2, 5]))  # ... a has 1 token since (33 ms behind)
+    assert free.sum() > 0 and draft.sum() < free.sum()
+    ahead = StepController(WCSConfig(pace_tpot_ms=12.0), K, estimator, cost=CHEAP)
+    ahead.slack_ms(ids, np.array([1, 1]), now=time.perf_counter() - 0.045)
+    assert ahead.plan(ids, features, width, generated=np.array([9, 9])).tolist() == free.tolist()

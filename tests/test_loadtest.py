@@ -411,7 +411,7 @@ def test_replica_loads_are_each_replicas_finished_requests_and_engine_itl_over_t
     assert replica_loads({}, counters_from_text("# TYPE x counter\nx_total 1.0\n")) == {}  # not a ForeSpark server
 
 
-def test_variant_app_configs_set_policy_pricing_router_and_the_slo_step_cap():
+def test_variant_app_configs_set_policy_pricing_router_slo_step_cap_and_pace():
     from cluster.app import AppConfig
     from loadtest.compare import VARIANTS, variant_app_config
 
@@ -426,4 +426,6 @@ def test_variant_app_configs_set_policy_pricing_router_and_the_slo_step_cap():
     assert configs["dspark"].replica.engine.wcs.online_cost is False and configs["wcs"].replica.engine.wcs.online_cost is True
     assert configs["wcs-slo-cap"].replica.engine.wcs.max_step_ms == 25.0
     assert all(c.replica.engine.wcs.max_step_ms is None for name, c in configs.items() if name != "wcs-slo-cap")
+    assert configs["wcs-pace"].replica.engine.wcs.pace_tpot_ms == 20.0  # four fifths of the SLO
+    assert all(c.replica.engine.wcs.pace_tpot_ms is None for name, c in configs.items() if name != "wcs-pace")
     assert base["replica"]["engine"]["wcs"] == {"replan_every": 4}  # the base is not modified

@@ -28,6 +28,12 @@ class WCSConfig(BaseModel):
         gt=0,
         description="caps predicted step time (an inter-token latency bound); a TPOT SLO needs no cap: see planner.py",
     )
+    pace_tpot_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="keep every request's time per output token within this, counting how far ahead of it the request "
+        "is so far: the planner then takes the best plan that keeps all on pace (scheduling/planner.py); None: off",
+    )
     online_cost: bool = Field(
         default=True,
         description="correct the profiled step cost by measured step periods while serving (scheduling/online_cost.py)",

@@ -18,6 +18,7 @@ after it starts to pay.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +76,7 @@ class StepController:
         self.estimator = estimator
         self.calibrator = calibrator if calibrator is not None else PostDraftCalibrator(k)
         self.cost = cost
-        self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms)
+        self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms, pace_tpot_ms=config.pace_tpot_ms)
         self.tracker = AcceptanceTracker(k, config.history_decay)
         self.set_policy(config.policy)
         self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
@@ -86,6 +87,7 @@ class StepController:
         self._inputs: PreDraftInputs | None = None
         self._survival = np.zeros((0, k))  # pre-draft survival the plan was made on
         self._draft = np.zeros(0, dtype=np.int64)
+        self._paced_from: dict[str, tuple[float, int]] = {}  # request -> (when it was first planned, tokens it had then)
 
     def set_policy(self, name: PolicyName | str) -> None:
         self.policy = Policy(name=PolicyName(name), k=self.k)
@@ -153,8 +155,11 @@ class StepController:
         features: np.ndarray | None,
         max_width: np.ndarray,
         share: Callable[[Any], Any] | None = None,
+        generated: np.ndarray | None = None,
     ) -> np.ndarray:
         """Draft widths d_i <= max_width_i (0 for requests that cannot use a draft now).
+
+        `generated` (B,): each request's output tokens so far, which the TPOT pace needs (`pace_tpot_ms`).
 
         `features` may be None only when `needs_drafter()` is False or `holds_no_drafts()` is True.
         `share` makes every tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`);
@@ -163,6 +168,7 @@ class StepController:
         self._plan = None
         self._inputs = None
         self._req_ids = req_ids
+        slack = self.slack_ms(req_ids, generated) if self.limits.pace_tpot_ms and generated is not None else None
         if features is None:
             if self.needs_drafter():
                 if not self.holds_no_drafts():
@@ -178,7 +184,7 @@ class StepController:
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
             else:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
-                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width, validate=False)
+                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width, validate=False, slack_ms=slack)
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
@@ -189,6 +195,19 @@ class StepController:
         self.stats.planned_requests += len(req_ids)
         self.stats.add_positions("drafted_per_pos", self._draft)
         return self._draft
+
+    def slack_ms(self, req_ids: list[str], generated: np.ndarray, now: float | None = None) -> np.ndarray:
+        """How far ahead of `pace_tpot_ms` per token each request is (negative: behind), counted from the
+        first step it was planned in with a token out (about its first token, where TPOT starts) to `now`;
+        infinite (never binding) while it has none."""
+        now = time.perf_counter() if now is None else now
+        pace, since = self.limits.pace_tpot_ms or 0.0, self._paced_from
+        slack = np.full(len(req_ids), np.inf)
+        for n, (r, g) in enumerate(zip(req_ids, generated.tolist())):
+            if g > 0:
+                t0, g0 = since.setdefault(r, (now, g))
+                slack[n] = pace * (g - g0) - (now - t0) * 1e3
+        return slack
 
     def holds_no_drafts(self) -> bool:
         """True when this step keeps the last plan's decision to draft nothing without planning (see the
@@ -228,3 +247,5 @@ class StepController:
 
     def finish(self, req_ids) -> None:
         self.tracker.forget(req_ids)
+        for r in req_ids:
+            self._paced_from.pop(r, None)

@@ -162,17 +162,17 @@ class WCSRunnerMixin:
         max_width = self._wcs_max_width(states, generated, emitted, batch, k)
         if not ctl.needs_drafter():
             # No request ever drafts under this policy (`ar`): no features, no drafter, no context K/V.
-            ctl.plan(req_ids, None, max_width)
+            ctl.plan(req_ids, None, max_width, generated=generated)
             return self._wcs_no_drafts(req_ids, (time.perf_counter() - t0) * 1e3, 0.0, sample_hidden_states.device)
         if ctl.holds_no_drafts():
-            draft = ctl.plan(req_ids, None, max_width)
+            draft = ctl.plan(req_ids, None, max_width, generated=generated)
         else:
             # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
             offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])
             rows = torch.from_numpy(offsets + accepted)
             logits, self._wcs_logits = self._wcs_logits, None
             features = self.wcs_features(sample_hidden_states[rows], distribution_stats(logits[rows]), generated)
-            draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank)
+            draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank, generated=generated)
         planner_ms = (time.perf_counter() - t0) * 1e3
         drafter = self.drafter
         if not draft.any():

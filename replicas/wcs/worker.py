@@ -82,6 +82,12 @@ class WCSWorker(_PlatformWorker):
         ctl.config.online_cost = on
         ctl.cost = ctl.cost  # a fresh correction from the profile
 
+    def wcs_set_pace(self, tpot_ms: float | None) -> None:
+        """Set or clear the planner's TPOT pace (`WCSConfig.pace_tpot_ms`)."""
+        ctl = self._wcs
+        ctl.config.pace_tpot_ms = tpot_ms
+        ctl.limits = ctl.limits.model_copy(update={"pace_tpot_ms": tpot_ms})
+
     def wcs_profiling(self, seed: int | None, skip: float = 0.25) -> None:
         """Random widths (lossless: chosen without looking at drafts), a `skip` share of steps drafting
         nothing, while the step log fills; None stops."""

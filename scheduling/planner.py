@@ -67,10 +67,10 @@ def plan_step(
     Not every request's, though: one that accepts little gets about one token
     from a step made long by the others' drafts. With `tpot_ms` and
     `slack_ms` (B,) (how far each request is ahead of `tpot_ms` per token so
-    far), the argmax is taken only over prefixes whose T keeps every request
-    on that pace counting the tokens it expects (`SlotRanking.pace_bound_ms`);
-    when none does, the prefix that misses it least. A plain cap of T at the
-    SLO would instead forbid long steps that give each request several tokens.
+    far), the argmax is taken only over prefixes whose T keeps on that pace
+    every request that the step can keep on it, counting the tokens each
+    expects (`SlotRanking.pace_bound_ms`). A plain cap of T at the SLO would
+    instead forbid long steps that give each request several tokens.
     """
     survival = np.asarray(survival)
     if validate:
@@ -97,8 +97,9 @@ def plan_step(
     first = min(ranking.n_forced, upto)
     ratio = ranking.scaled_ratio(upto)[first:]
     if tpot_ms is not None and slack_ms is not None:
-        late = ranking.step_ms[first : upto + 1] - ranking.pace_bound_ms(slack_ms, tpot_ms)[first : upto + 1]
-        ratio = np.where(late <= 0, ratio, -np.inf) if (late <= 0).any() else -late
+        on_pace = ranking.step_ms[first : upto + 1] <= ranking.pace_bound_ms(slack_ms, tpot_ms)[first : upto + 1]
+        if on_pace.any():  # (forced slots may leave no prefix on pace: the policy's width then wins)
+            ratio = np.where(on_pace, ratio, -np.inf)
     best = first + int(ratio.argmax())
     return DraftPlan(
         draft=ranking.widths(best),

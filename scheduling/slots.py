@@ -52,12 +52,15 @@ class SlotRanking:
         return slots if row_length == self.k else (slots // self.k) * row_length + slots % self.k
 
     def pace_bound_ms(self, slack_ms: np.ndarray, tpot_ms: float) -> np.ndarray:
-        """(M+1,) the longest step each prefix keeps every request on its TPOT pace: the minimum over
-        requests of slack_i + tpot_ms * tau_i(k), where tau_i(k) = 1 + request i's gains among the first k
-        slots is the tokens it expects from the step and slack_i how far ahead of its pace it already is
-        (negative: behind). Requests that bind no prefix, even at one token, are skipped."""
+        """(M+1,) the longest step each prefix keeps every request on its TPOT pace that can be kept on it:
+        the minimum over requests of slack_i + tpot_ms * tau_i(k), where tau_i(k) = 1 + request i's gains
+        among the first k slots is the tokens it expects from the step and slack_i how far ahead of its pace
+        it already is (negative: behind). A request that even the shortest step leaves behind is left out
+        (it catches up only through tokens, which the argmax serves), and so is one that no prefix can put
+        behind: the empty prefix always stays within the bound."""
         m = len(self.slots)
-        binding = np.flatnonzero(np.asarray(slack_ms) + tpot_ms < self.step_ms[-1])
+        slack_ms = np.asarray(slack_ms, dtype=float)
+        binding = np.flatnonzero((slack_ms + tpot_ms >= self.step_ms[0]) & (slack_ms + tpot_ms < self.step_ms[-1]))
         if not len(binding):
             return np.full(m + 1, np.inf)
         rows = self.slots >> (self.k.bit_length() - 1) if self.k & (self.k - 1) == 0 else self.slots // self.k
@@ -65,7 +68,7 @@ class SlotRanking:
         gains = np.zeros((m + 1, len(binding)))
         gains[mine + 1, np.searchsorted(binding, rows[mine])] = np.diff(self.gain_levels)[mine] / _LEVELS
         tau = 1.0 + gains.cumsum(axis=0)
-        return (np.asarray(slack_ms, dtype=float)[binding] + tpot_ms * tau).min(axis=1)
+        return (slack_ms[binding] + tpot_ms * tau).min(axis=1)
 
     def widths(self, n_admitted: int) -> np.ndarray:
         """Per-request count of slots among the first `n_admitted` (a prefix of positions by construction)."""

@@ -79,16 +79,19 @@ def test_the_tpot_pace_counts_each_requests_slack_from_its_first_token():
     assert ctl.slack_ms(["a"], np.array([12]), now=100.2).tolist() == [0.0]
 
 
-def test_a_request_behind_its_pace_shortens_the_step_and_one_ahead_does_not():
-    """The same batch and estimates: with the pace (a request 25 ms behind) the plan drafts less than without;
-    control: with no request behind, the pace leaves the plan as it was."""
+def test_a_request_short_of_slack_shortens_the_step_and_one_ahead_or_far_behind_does_not():
+    """The same batch and estimates, at a pace of 2 ms per token where every verified token costs 1.5 ms:
+    a request with 14 ms of slack bounds the step the argmax wants (21.2 ms, 3 drafts each); with 90 ms it
+    does not, nor when it is so far behind that even the shortest step (12.2 ms) cannot keep it on pace."""
+    dear = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.1, per_draft_ms=0.5, per_target_ms=1.0)
     estimator = ConstantEstimator(K, prior=0.8, prior_weight=100.0)
     ids, features, width = ["a", "b"], np.zeros((2, 8)), np.full(2, K)
-    free = StepController(WCSConfig(), K, estimator, cost=CHEAP).plan(ids, features, width, generated=np.array([1, 1]))
-    paced = StepController(WCSConfig(pace_tpot_ms=12.0), K, estimator, cost=CHEAP)
-    paced.slack_ms(ids, np.array([1, 1]), now=time.perf_counter() - 0.045)  # both started 45 ms ago ...
-    draft = paced.plan(ids, features, width, generated=np.array([2, 5]))  # ... a has 1 token since (33 ms behind)
-    assert free.sum() > 0 and draft.sum() < free.sum()
-    ahead = StepController(WCSConfig(pace_tpot_ms=12.0), K, estimator, cost=CHEAP)
-    ahead.slack_ms(ids, np.array([1, 1]), now=time.perf_counter() - 0.045)
-    assert ahead.plan(ids, features, width, generated=np.array([9, 9])).tolist() == free.tolist()
+    free = StepController(WCSConfig(), K, estimator, cost=dear).plan(ids, features, width, generated=np.array([1, 1]))
+    assert free.sum() > 0
+    plans = {}
+    for a_tokens in (13, 51, 1):  # a's tokens 10 ms after its first: 14 ms ahead, 90 ms ahead, 10 ms behind
+        ctl = StepController(WCSConfig(pace_tpot_ms=2.0), K, estimator, cost=dear)
+        ctl.slack_ms(ids, np.array([1, 1]), now=time.perf_counter() - 0.010)
+        plans[a_tokens] = ctl.plan(ids, features, width, generated=np.array([a_tokens, 51])).tolist()
+    assert free.tolist() == [3, 3] and sum(plans[13]) < free.sum()
+    assert plans[51] == plans[1] == free.tolist()

@@ -118,24 +118,24 @@ def test_ragged_widths_shrink_the_drafters_work(llm):
     assert len(ragged) > 5
 
 
-def test_a_pace_no_request_keeps_drafts_nothing_and_one_all_keep_changes_nothing(llm, greedy_runs):
-    """`pace_tpot_ms` in the engine: at a microsecond per token every request falls behind at once, and
-    the plan that misses the pace least is the shortest step (no drafts); at a second per token nobody
-    binds and wcs drafts as it does without. Greedy outputs stay AR's either way."""
+def test_a_tpot_pace_keeps_greedy_outputs_and_gives_way_where_it_cannot_bind(llm, greedy_runs):
+    """`pace_tpot_ms` in the engine (which steps it shortens is tested on the controller): at a pace no
+    step can keep (a microsecond per token) every request is left to the argmax, and at one every step
+    keeps (a second) none binds, so wcs drafts either way; at 12 ms, near the synthetic profile's step,
+    it binds some plans. Greedy outputs stay AR's at every pace."""
     from vllm import SamplingParams
 
     work = load_workloads()
     prompts = [p.prompt for d in work for p in work[d][:6]]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     try:
-        for pace, drafts in ((1e-3, False), (1e3, True)):
+        for pace in (1e-3, 12.0, 1e3):
             llm.collective_rpc("wcs_set_pace", args=(pace,))
             tokens, st = run(llm, "wcs", prompts, params)
-            assert tokens == greedy_runs["ar"][0]
-            assert (st.drafted > 0) == drafts, (pace, st.drafted)
+            assert tokens == greedy_runs["ar"][0], pace
+            assert st.drafted > 0, pace
     finally:
         llm.collective_rpc("wcs_set_pace", args=(None,))
-    assert greedy_runs["wcs"][1].drafted > 0  # control: the same batch drafts without the pace
 
 
 def test_plans_without_drafts_hold_for_the_next_steps(llm):

@@ -67,7 +67,7 @@ VARIANTS = {
     "wcs-pow2": Variant(name="wcs-pow2", policy="wcs", router="pow2"),
     # A request that drafts nothing gets one token per step: its TPOT is the step time, whatever others gain.
     "wcs-slo-cap": Variant(name="wcs-slo-cap", policy="wcs", router="acceptance_headroom", slo_step_cap=True),
-    # Long steps only while no request falls behind its pace: prose that accepts little bounds the step.
+    # Steps only as long as keeps each request on pace that a step can keep: prose that accepts little bounds them.
     "wcs-pace": Variant(name="wcs-pace", policy="wcs", router="acceptance_headroom", pace=True),
 }
 RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "router_vs_pow2": ("wcs", "wcs-pow2")}

@@ -31,8 +31,8 @@ class WCSConfig(BaseModel):
     pace_tpot_ms: float | None = Field(
         default=None,
         gt=0,
-        description="keep every request's time per output token within this, counting how far ahead of it the request "
-        "is so far: the planner then takes the best plan that keeps all on pace (scheduling/planner.py); None: off",
+        description="keep requests' time per output token within this, counting how far ahead of it each is so far: "
+        "the planner takes the best plan that keeps on pace every request a step can keep (scheduling/planner.py); None: off",
     )
     online_cost: bool = Field(
         default=True,

@@ -215,7 +215,9 @@ def test_without_the_plugins_expand_fix_sampled_drafts_are_rejected(spec_llm):
         broken = _position_one_acceptance(spec_llm, 1e-3)
     finally:
         rejection_sampler.expand_batch_to_tokens = patched
-    assert broken < 0.25 * greedy
+    # Fixed, the same temperature accepts at least 0.8 x greedy (the test above); broken runs have given
+    # from about 0.1 to 0.27 x greedy, so the line sits between the two.
+    assert broken < 0.5 * greedy
 
 
 SEEDED_CHUNKED = textwrap.dedent(

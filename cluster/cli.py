@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated: wcs, dspark (start-up step-cost profile only, as vLLM's adaptive verification), "
                            "dspark-online (dspark with the online step-cost correction WCS uses), ar (router ours), "
                            "wcs-pow2 (Serve's power-of-two router), wcs-slo-cap (wcs with its predicted step time capped at the TPOT SLO), "
-                           "wcs-pace (wcs keeping every request on a TPOT pace of 0.8 x the SLO)")
+                           "wcs-pace (wcs keeping on a TPOT pace of 0.8 x the SLO each request a step can keep on it)")
     cmp_.add_argument("--config", metavar="PATH", help="base application config (AppConfig YAML); variants set policy and router")
     cmp_.add_argument("--port", type=int, default=8100, help="the first server's port (servers up at once take the next ones)")
     cmp_.add_argument("--protocol", choices=("interleaved", "sequential"), default=None,

@@ -211,7 +211,7 @@ def ratio(variants: dict[str, VariantResult], a: str, b: str, field: str = "max_
 
 ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[Server]]  # (app config, work dir) -> a running server
 Measure = Callable[[LoadTestConfig, SLOConfig], LoadTestReport]  # one load test
-Evaluate = Callable[[LoadTestConfig, SLOConfig], LoadTestReport]  # a finished load test against another SLO
+Evaluate = Measure  # the same call on a finished load test: its rows against another SLO
 
 
 def measure_load(load: LoadTestConfig, slo: SLOConfig) -> LoadTestReport:
@@ -296,8 +296,8 @@ def compare(
         load = base_load.model_copy(update={"url": server.url, "out_dir": Path(base_load.out_dir) / name / f"repeat-{rep}"})
         load = load_at(load, search.rate)
         logged(name, rep, search, sweep.record(load, measure(load, search.slo)))
-        for later, probe in sweep.replay(evaluate):
-            logged(name, rep, later, probe, " (rows measured earlier)")
+        for later, replayed in sweep.replay(evaluate):
+            logged(name, rep, later, replayed, " (rows measured earlier)")
 
     if protocol == "sequential":
         for rep in range(repeats):

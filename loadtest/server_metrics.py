@@ -1,10 +1,12 @@
 """What the server itself says about a load test, per engine replica, read over HTTP from its `/metrics`.
 
 A ForeSpark server labels every replica's series with `replica`. Two scrapes,
-before and after a run, give each replica's share of the finished requests
-and its mean inter-token latency as the engine measured it: a run in which
-one replica took most of the load, or streamed slower than the others, shows
-here and not in the client's percentiles. A server without those series
+before and after a run, give each replica's share of the finished requests,
+its mean inter-token latency as the engine measured it, and the CPU time its
+processes spent per finished request: a run in which one replica took most
+of the load, or streamed slower than the others, shows here and not in the
+client's percentiles, and on CPU replicas below saturation the CPU per
+request is what a request costs (what bounds the sustainable rate). A server without those series
 (another OpenAI server) gives an empty result.
 """
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel
 
 SUCCESS = "vllm:request_success_total"
 ITL_SUM, ITL_COUNT = "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"
+CPU = "forespark_replica_cpu_seconds_total"  # labelled by process: "engine" (the engine core) or "replica" (the actor)
 
 Counters = dict[str, dict[str, float]]  # replica -> series name -> value
 
@@ -25,6 +28,8 @@ class ReplicaLoad(BaseModel):
     requests: float  # finished (stop or length) during the run
     share: float  # of all replicas' finished requests
     itl_ms: float | None  # mean inter-token latency in the engine during the run
+    cpu_ms_per_request: float | None = None  # CPU time of the replica's processes during the run, per finished request
+    engine_cpu_share: float | None = None  # the engine core's part of that CPU time
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> Counters:
@@ -36,19 +41,21 @@ def scrape(url: str, timeout_s: float = 10.0) -> Counters:
 
 
 def counters_from_text(text: str) -> Counters:
-    """Per replica: finished requests and the inter-token latency histogram's sum and count."""
+    """Per replica: finished requests, the inter-token latency histogram's sum and count, and CPU seconds
+    per process (as `cpu:<process>`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counters: Counters = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             replica = s.labels.get("replica")
-            if replica is None or s.name not in (SUCCESS, ITL_SUM, ITL_COUNT):
+            if replica is None or s.name not in (SUCCESS, ITL_SUM, ITL_COUNT, CPU):
                 continue
             if s.name == SUCCESS and s.labels.get("finished_reason") not in ("stop", "length"):
                 continue  # aborted requests did not finish
+            name = f"cpu:{s.labels.get('process')}" if s.name == CPU else s.name
             row = counters.setdefault(replica, {})
-            row[s.name] = row.get(s.name, 0.0) + s.value
+            row[name] = row.get(name, 0.0) + s.value
     return counters
 
 
@@ -58,14 +65,21 @@ def replica_loads(before: Counters, after: Counters) -> dict[str, ReplicaLoad]:
         for replica, row in after.items()
     }
     total = sum(d.get(SUCCESS, 0.0) for d in deltas.values())
-    return {
-        replica: ReplicaLoad(
-            requests=d.get(SUCCESS, 0.0),
-            share=d.get(SUCCESS, 0.0) / total if total > 0 else 0.0,
-            itl_ms=1000.0 * d[ITL_SUM] / d[ITL_COUNT] if d.get(ITL_COUNT, 0.0) > 0 else None,
-        )
-        for replica, d in sorted(deltas.items())
-    }
+    return {replica: _replica_load(d, total) for replica, d in sorted(deltas.items())}
+
+
+def _replica_load(d: dict[str, float], total: float) -> ReplicaLoad:
+    requests = d.get(SUCCESS, 0.0)
+    cpu = {name: value for name, value in d.items() if name.startswith("cpu:")}
+    cpu_s = sum(cpu.values())
+    has_cpu = bool(cpu) and requests > 0
+    return ReplicaLoad(
+        requests=requests,
+        share=requests / total if total > 0 else 0.0,
+        itl_ms=1000.0 * d[ITL_SUM] / d[ITL_COUNT] if d.get(ITL_COUNT, 0.0) > 0 else None,
+        cpu_ms_per_request=1000.0 * cpu_s / requests if has_cpu else None,
+        engine_cpu_share=cpu.get("cpu:engine", 0.0) / cpu_s if has_cpu and cpu_s > 0 else None,
+    )
 
 
 def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0) -> dict[str, ReplicaLoad]:
@@ -79,9 +93,21 @@ def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0
         time.sleep(0.5)
 
 
+def pooled_cpu_ms_per_request(loads: dict[str, ReplicaLoad]) -> float | None:
+    """CPU milliseconds per finished request over all replicas that report their CPU time."""
+    measured = [r for r in loads.values() if r.cpu_ms_per_request is not None]
+    requests = sum(r.requests for r in measured)
+    return sum(r.cpu_ms_per_request * r.requests for r in measured) / requests if requests else None
+
+
 def format_loads(loads: dict[str, ReplicaLoad]) -> str:
     if not loads:
         return ""
     shares = "/".join(f"{r.share:.0%}" for r in loads.values())
     itl = "/".join("-" if r.itl_ms is None else f"{r.itl_ms:.1f}" for r in loads.values())
-    return f"replicas {shares} of requests, ITL {itl} ms"
+    line = f"replicas {shares} of requests, ITL {itl} ms"
+    if any(r.cpu_ms_per_request is not None for r in loads.values()):
+        cpu = "/".join("-" if r.cpu_ms_per_request is None else f"{r.cpu_ms_per_request:.0f}" for r in loads.values())
+        engine = "/".join("-" if r.engine_cpu_share is None else f"{r.engine_cpu_share:.0%}" for r in loads.values())
+        line += f", CPU {cpu} ms per request ({engine} in the engine)"
+    return line

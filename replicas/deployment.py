@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.engine import EngineConfig, cpu_engine_environment
-from replicas.metrics import LatestSchedulerStats, metrics_board, replica_metrics_text
+from replicas.metrics import LatestSchedulerStats, metrics_board, process_cpu_seconds, replica_metrics_text
 from replicas.routing_stats import RoutingStats, StepMix, routing_stats, step_mix
 
 logger = logging.getLogger("ray.serve")
@@ -188,7 +188,8 @@ class EngineReplica:
                 await asyncio.wait_for(self._refresh(), timeout=max(10.0, 5 * self.config.stats_period_s))
                 board = board or metrics_board()
                 # Awaited, so that a board that went away is found again next period.
-                await asyncio.wait_for(board.post.remote(replica, replica_metrics_text(self._wcs, self._stats, self.aborted)), timeout=10.0)
+                text = replica_metrics_text(self._wcs, self._stats, self.aborted, process_cpu_seconds())
+                await asyncio.wait_for(board.post.remote(replica, text), timeout=10.0)
             except Exception:  # an engine that died is reported by check_health; keep the loop alive
                 if self.engine.engine.errored:
                     logger.warning("engine is dead; routing stats not refreshed")

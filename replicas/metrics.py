@@ -48,9 +48,34 @@ class LatestSchedulerStats:
         return lambda vllm_config, engine_index=0: self
 
 
-def replica_families(wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None) -> list[Metric]:
-    """WCS counters (`replicas/wcs/stats.py`), the routing stats and the replica's aborts as Prometheus families."""
+def process_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process ("replica": the Serve actor, which tokenizes, detokenizes and
+    streams) and of its child processes ("engine": vLLM's engine core, which AsyncLLM always runs apart)."""
+    import psutil
+
+    me = psutil.Process()
+    engine = 0.0
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # exited meanwhile
+            continue
+        engine += times.user + times.system
+    own = me.cpu_times()
+    return {"replica": own.user + own.system, "engine": engine}
+
+
+def replica_families(
+    wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None, cpu: dict[str, float] | None = None
+) -> list[Metric]:
+    """WCS counters (`replicas/wcs/stats.py`), the routing stats, the replica's aborts and its processes' CPU
+    time (`process_cpu_seconds`) as Prometheus families."""
     out: list[Metric] = []
+    if cpu is not None:
+        fam = CounterMetricFamily("forespark_replica_cpu_seconds", "CPU time of the replica's processes", labels=["process"])
+        for process, seconds in sorted(cpu.items()):
+            fam.add_metric([process], seconds)
+        out.append(fam)
     if aborted is not None:
         # vLLM's request_success{finished_reason="abort"} does not count requests aborted by the caller.
         out.append(CounterMetricFamily("forespark_engine_aborted_requests", "streams aborted in the engine because the caller went away", value=aborted))
@@ -105,11 +130,13 @@ def render(families: Iterable[Metric]) -> str:
     return generate_latest(registry).decode()
 
 
-def replica_metrics_text(wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None) -> str:
+def replica_metrics_text(
+    wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None, cpu: dict[str, float] | None = None
+) -> str:
     """This process's registry (vLLM's metrics) followed by the replica's own families."""
     from prometheus_client import REGISTRY
 
-    return generate_latest(REGISTRY).decode() + render(replica_families(wcs, routing, aborted))
+    return generate_latest(REGISTRY).decode() + render(replica_families(wcs, routing, aborted, cpu))
 
 
 def merge_metrics(texts: dict[str, str]) -> str:

@@ -16,6 +16,7 @@ from loadtest.capacity import search
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport, Percentiles, build_report, read_rows
 from loadtest.run import free_port, rebuild_report
+from loadtest.server_metrics import ReplicaLoad
 
 
 def _fake_measure(capacity: float, calls: list[float]):
@@ -135,6 +136,8 @@ def test_a_real_locust_run_agrees_with_the_server_and_paces_poisson_arrivals(ser
     replicas = report["replicas"]
     assert len(replicas) == 2 and sum(r["requests"] for r in replicas.values()) == len(ok)
     assert all(r["requests"] > 0 and r["itl_ms"] > 0 for r in replicas.values())
+    # ... and what their processes spent on them: the engine core most of it, the replica actor the rest.
+    assert all(r["cpu_ms_per_request"] > 0 and 0.0 < r["engine_cpu_share"] < 1.0 for r in replicas.values())
     assert all(r.ttft_ms <= r.e2e_ms and r.first_token_s <= r.end_s and r.output_tokens == 4 for r in ok)
 
     # Impossibly tight TTFT: nobody meets it. The same rows against loose SLOs: everybody does.
@@ -265,7 +268,10 @@ def _stand_ins(capacities: dict[str, list[float]], events: list):
             return LoadTestReport.model_construct(attainment=0.5)
         rep = int(load.out_dir.parent.name.split("-")[1])
         events.append(("probe", name, load.rate, slo.tpot_ms, rep))
-        return _fake_measure(capacities[name][rep] * slo.tpot_ms / 37.0, [])(load.rate)
+        report = _fake_measure(capacities[name][rep] * slo.tpot_ms / 37.0, [])(load.rate)
+        # The server's account, as a replica's metrics give it: CPU per request falls with rate (batching).
+        report.replicas = {"r": ReplicaLoad(requests=10, share=1.0, itl_ms=1.0, cpu_ms_per_request=_stand_in_cpu_ms(name, load.rate))}
+        return report
 
     def evaluate(load, slo):
         name, rep = load.url.rsplit("/", 1)[1], int(load.out_dir.parent.name.split("-")[1])
@@ -276,6 +282,11 @@ def _stand_ins(capacities: dict[str, list[float]], events: list):
 
 
 CAPACITIES = {"wcs": [6.0, 9.0, 7.0], "dspark": [4.0, 5.0, 3.0], "wcs-pow2": [7.0, 2.0, 5.0]}
+CPU_MS = {"wcs": 40.0, "dspark": 60.0, "wcs-pow2": 45.0}
+
+
+def _stand_in_cpu_ms(name: str, rate: float) -> float:
+    return CPU_MS[name] + 10.0 / rate
 
 
 def _compare(tmp_path, events, protocol, repeats=3, warmup_s=7.0, variants=("wcs", "dspark", "wcs-pow2"), tpot_sweep_ms=()):
@@ -312,6 +323,12 @@ def test_compare_reports_each_variants_median_rate_and_ratios_of_medians(tmp_pat
     assert result.ratios["wcs_vs_dspark"] == pytest.approx(rates["wcs"] / rates["dspark"])
     assert result.ratios["router_vs_pow2"] == pytest.approx(rates["wcs"] / rates["wcs-pow2"])
     assert result.ratios["wcs_vs_ar"] is None  # ar was not run
+    # CPU per request is each round's at its highest sustainable rate (not at another probe), and its median.
+    for name, v in result.variants.items():
+        assert v.cpu_ms_per_requests == [pytest.approx(_stand_in_cpu_ms(name, r)) for r in v.max_rates]
+        assert v.cpu_ms_per_request == pytest.approx(float(np.median(v.cpu_ms_per_requests)))
+    cpu = {name: v.cpu_ms_per_request for name, v in result.variants.items()}
+    assert result.cost_ratios["wcs_vs_dspark"] == pytest.approx(cpu["dspark"] / cpu["wcs"]) and result.cost_ratios["wcs_vs_ar"] is None
     # Every fresh server is warmed once, at the start rate, before any of its probes.
     starts = [e[1] for e in events if e[0] == "start"]
     assert [e[1:] for e in events if e[0] == "warm"] == [(name, 1.5, 7.0) for name in starts]
@@ -383,8 +400,9 @@ def test_compare_without_warm_up_measures_only_probes(tmp_path):
     assert not any(e[0] == "warm" for e in events) and any(e[0] == "probe" for e in events)
 
 
-def _metrics_text(replicas: dict[str, tuple[float, float, float, float]]) -> str:
-    """A /metrics exposition as a ForeSpark server writes it: per replica (stop, abort, ITL sum s, ITL count)."""
+def _metrics_text(replicas: dict[str, tuple[float, float, float, float]], cpu: dict[str, tuple[float, float]] | None = None) -> str:
+    """A /metrics exposition as a ForeSpark server writes it: per replica (stop, abort, ITL sum s, ITL count) and,
+    where given, (engine, replica) CPU seconds."""
     lines = ["# TYPE vllm:request_success counter", 'vllm:request_success_total{finished_reason="stop"} 99.0']  # the ingress's own
     for r, (stop, abort, _, _) in replicas.items():
         lines += [f'vllm:request_success_total{{finished_reason="stop",replica="{r}"}} {stop}',
@@ -394,6 +412,11 @@ def _metrics_text(replicas: dict[str, tuple[float, float, float, float]]) -> str
         lines += [f'vllm:inter_token_latency_seconds_bucket{{le="+Inf",replica="{r}"}} {count}',
                   f'vllm:inter_token_latency_seconds_sum{{replica="{r}"}} {total}',
                   f'vllm:inter_token_latency_seconds_count{{replica="{r}"}} {count}']
+    lines += ["# TYPE process_cpu_seconds counter", "process_cpu_seconds_total 500.0"]  # the ingress's own process
+    lines.append("# TYPE forespark_replica_cpu_seconds counter")
+    for r, (engine, actor) in (cpu or {}).items():
+        lines += [f'forespark_replica_cpu_seconds_total{{process="engine",replica="{r}"}} {engine}',
+                  f'forespark_replica_cpu_seconds_total{{process="replica",replica="{r}"}} {actor}']
     return "\n".join(lines) + "\n"
 
 
@@ -409,6 +432,47 @@ def test_replica_loads_are_each_replicas_finished_requests_and_engine_itl_over_t
     assert loads["a"].itl_ms == pytest.approx(6.0) and loads["b"].itl_ms == pytest.approx(12.0) and loads["c"].itl_ms is None
     assert format_loads(loads) == "replicas 60%/20%/20% of requests, ITL 6.0/12.0/- ms"
     assert replica_loads({}, counters_from_text("# TYPE x counter\nx_total 1.0\n")) == {}  # not a ForeSpark server
+
+
+def test_replica_loads_count_each_replicas_cpu_time_per_finished_request_over_the_run():
+    from loadtest.server_metrics import counters_from_text, format_loads, pooled_cpu_ms_per_request, replica_loads
+
+    work = {"a": (10, 0, 1.0, 100), "b": (5, 0, 2.0, 100)}
+    before = counters_from_text(_metrics_text(work, cpu={"a": (100.0, 50.0), "b": (10.0, 5.0)}))
+    after = counters_from_text(_metrics_text({"a": (40, 9, 1.6, 200), "b": (15, 0, 3.2, 200)}, cpu={"a": (103.0, 51.0), "b": (11.5, 5.5)}))
+    loads = replica_loads(before, after)
+    # a: 4 CPU s over 30 requests, 3 of them in the engine; b: 2 s over 10, 1.5 in the engine. The ingress's own
+    # process CPU and aborted requests count for no replica.
+    assert loads["a"].cpu_ms_per_request == pytest.approx(4000 / 30) and loads["a"].engine_cpu_share == pytest.approx(0.75)
+    assert loads["b"].cpu_ms_per_request == pytest.approx(200.0) and loads["b"].engine_cpu_share == pytest.approx(0.75)
+    assert pooled_cpu_ms_per_request(loads) == pytest.approx(6000 / 40)
+    assert format_loads(loads) == "replicas 75%/25% of requests, ITL 6.0/12.0 ms, CPU 133/200 ms per request (75%/75% in the engine)"
+    # A server whose replicas do not report CPU time (or a replica that finished nothing) has no CPU figure.
+    plain = replica_loads(counters_from_text(_metrics_text(work)), counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "b": (5, 0, 2.0, 100)})))
+    assert all(r.cpu_ms_per_request is None and r.engine_cpu_share is None for r in plain.values())
+    assert pooled_cpu_ms_per_request(plain) is None and "CPU" not in format_loads(plain)
+
+
+def test_process_cpu_seconds_counts_a_busy_child_as_engine_time_and_an_idle_one_as_none():
+    from replicas.metrics import process_cpu_seconds
+
+    def engine_seconds(code: str) -> float:
+        child = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            time.sleep(1.5)
+            return process_cpu_seconds()["engine"]
+        finally:
+            child.kill()
+            child.wait()
+
+    busy = engine_seconds("import time\nend = time.time() + 10\nwhile time.time() < end: pass")
+    idle = engine_seconds("import time; time.sleep(10)")
+    assert busy > idle + 0.5 and idle < 0.5  # the interpreter's start-up is the idle child's only CPU
+    before = process_cpu_seconds()["replica"]
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    assert process_cpu_seconds()["replica"] - before >= 0.25
 
 
 def test_variant_app_configs_set_policy_pricing_router_slo_step_cap_and_pace():

@@ -186,9 +186,11 @@ def test_merged_metrics_label_each_replica():
         "accepted_per_pos": [2, 0], "verify_steps": 3, "drafter_passes": 3, "drafter_rows": 9,
         "planner_ms": 1.0, "draft_ms": 2.0, "target_ms": 3.0, "step_ms": 7.0,
     }
-    a = render(replica_families(wcs, stats(3), aborted=1))
+    a = render(replica_families(wcs, stats(3), aborted=1, cpu={"engine": 7.5, "replica": 2.0}))
     b = render(replica_families(wcs, stats(9), aborted=0))
     merged = {f.name: f for f in text_string_to_metric_families(merge_metrics({"a": a, "b": b}))}
+    cpu = {(s.labels["replica"], s.labels["process"]): s.value for s in merged["forespark_replica_cpu_seconds"].samples if s.name.endswith("_total")}
+    assert cpu == {("a", "engine"): 7.5, ("a", "replica"): 2.0}  # b did not report its CPU time
     aborted = {s.labels["replica"]: s.value for s in merged["forespark_engine_aborted_requests"].samples if s.name.endswith("_total")}
     assert aborted == {"a": 1.0, "b": 0.0}
     waste = merged["forespark_wcs_draft_waste"].samples

@@ -5,9 +5,9 @@ before and after a run, give each replica's share of the finished requests,
 its mean inter-token latency as the engine measured it, and the CPU time its
 processes spent per finished request: a run in which one replica took most
 of the load, or streamed slower than the others, shows here and not in the
-client's percentiles, and on CPU replicas below saturation the CPU per
-request is what a request costs (what bounds the sustainable rate). A server without those series
-(another OpenAI server) gives an empty result.
+client's percentiles; on CPU replicas the CPU per request is what a request
+costs, and so what bounds the sustainable rate. A server without those
+series (another OpenAI server) gives an empty result.
 """
 
 from __future__ import annotations
@@ -60,8 +60,14 @@ def counters_from_text(text: str) -> Counters:
 
 
 def replica_loads(before: Counters, after: Counters) -> dict[str, ReplicaLoad]:
+    # A replica that started during the run counts its requests from zero, but not its CPU time: that
+    # would be its start-up's.
     deltas = {
-        replica: {name: value - before.get(replica, {}).get(name, 0.0) for name, value in row.items()}
+        replica: {
+            name: value - before.get(replica, {}).get(name, 0.0)
+            for name, value in row.items()
+            if not name.startswith("cpu:") or name in before.get(replica, {})
+        }
         for replica, row in after.items()
     }
     total = sum(d.get(SUCCESS, 0.0) for d in deltas.values())

@@ -451,6 +451,9 @@ def test_replica_loads_count_each_replicas_cpu_time_per_finished_request_over_th
     plain = replica_loads(counters_from_text(_metrics_text(work)), counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "b": (5, 0, 2.0, 100)})))
     assert all(r.cpu_ms_per_request is None and r.engine_cpu_share is None for r in plain.values())
     assert pooled_cpu_ms_per_request(plain) is None and "CPU" not in format_loads(plain)
+    # A replica that started during the run: its requests count, its CPU time (its start-up's) does not.
+    late = replica_loads(before, counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "c": (5, 0, 0.0, 0)}, cpu={"a": (103.0, 51.0), "c": (30.0, 3.0)})))
+    assert late["c"].requests == 5 and late["c"].cpu_ms_per_request is None and late["a"].cpu_ms_per_request == pytest.approx(4000 / 30)
 
 
 def test_process_cpu_seconds_counts_a_busy_child_as_engine_time_and_an_idle_one_as_none():

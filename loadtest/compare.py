@@ -12,10 +12,7 @@ on the same machine. Two protocols:
   server is started fresh, searched to the end and stopped before the next.
 
 With repeats, every variant is searched once per round and its rate is the
-median over rounds. The result is the ratio of median sustainable request rates,
-next to the ratio of what a request costs each variant: the server's CPU time
-per finished request at each round's highest sustainable probe (the replicas
-report their processes' CPU time), which on CPU replicas bounds the rate.
+median over rounds. The result is the ratio of median sustainable request rates.
 
 Further TPOT SLOs (`tpot_sweep_ms`) get their own searches on the same
 servers after the main one, in the same turns; a rate already measured is
@@ -45,7 +42,6 @@ from loadtest.capacity import CapacityResult, Probe, Search, SLOSweep, format_pr
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport
 from loadtest.run import rebuild_report, run_loadtest
-from loadtest.server_metrics import pooled_cpu_ms_per_request
 
 
 class Variant(BaseModel):
@@ -85,10 +81,6 @@ class VariantResult(BaseModel):
     crossing_rate: float  # median over the repeats of the interpolated rate where attainment crosses the target
     crossing_rates: list[float]
     capacity: CapacityResult  # the last repeat's search
-    # Server CPU per finished request at each repeat's highest sustainable probe (None: not measured there), and
-    # their median: what a request costs this variant where it is loaded most within the SLOs.
-    cpu_ms_per_request: float | None = None
-    cpu_ms_per_requests: list[float | None] = []
 
 
 CompareProtocol = Literal["interleaved", "sequential"]
@@ -99,7 +91,6 @@ class SLOComparison(BaseModel):
     variants: dict[str, VariantResult]
     ratios: dict[str, float | None]  # of median max_rate
     crossing_ratios: dict[str, float | None]  # of median crossing_rate
-    cost_ratios: dict[str, float | None] = {}  # b's median CPU per request over a's, for each ratio a_vs_b
 
 
 class CompareResult(SLOComparison):
@@ -213,16 +204,9 @@ class ServerProcess:
 
 
 def ratio(variants: dict[str, VariantResult], a: str, b: str, field: str = "max_rate") -> float | None:
-    if a not in variants or b not in variants:
+    if a not in variants or b not in variants or getattr(variants[b], field) <= 0:
         return None
-    x, y = getattr(variants[a], field), getattr(variants[b], field)
-    return None if x is None or y is None or y <= 0 else x / y
-
-
-def knee_cpu_ms(result: CapacityResult) -> float | None:
-    """Server CPU per request at the search's highest sustainable probe (the one that set `max_rate`)."""
-    at_max = [p for p in result.path if p.sustainable and p.rate == result.max_rate and p.replicas]
-    return pooled_cpu_ms_per_request(at_max[-1].replicas) if at_max else None
+    return getattr(variants[a], field) / getattr(variants[b], field)
 
 
 ServerStarter = Callable[[dict[str, Any], Path], AbstractContextManager[Server]]  # (app config, work dir) -> a running server
@@ -346,18 +330,14 @@ def comparison(slo: SLOConfig, found: dict[str, list[CapacityResult]]) -> SLOCom
     results = {}
     for name, rounds in found.items():
         max_rates, crossings = [r.max_rate for r in rounds], [r.crossing_rate for r in rounds]
-        cpu = [knee_cpu_ms(r) for r in rounds]
-        measured = [c for c in cpu if c is not None]
         results[name] = VariantResult(
             policy=VARIANTS[name].policy, router=VARIANTS[name].router, capacity=rounds[-1],
             max_rate=float(np.median(max_rates)), max_rates=max_rates, crossing_rate=float(np.median(crossings)), crossing_rates=crossings,
-            cpu_ms_per_request=float(np.median(measured)) if measured else None, cpu_ms_per_requests=cpu,
         )
     return SLOComparison(
         slo=slo, variants=results,
         ratios={key: ratio(results, a, b) for key, (a, b) in RATIOS.items()},
         crossing_ratios={key: ratio(results, a, b, "crossing_rate") for key, (a, b) in RATIOS.items()},
-        cost_ratios={key: ratio(results, b, a, "cpu_ms_per_request") for key, (a, b) in RATIOS.items()},
     )
 
 
@@ -366,22 +346,14 @@ def format_compare(result: CompareResult) -> str:
     for c in [result, *result.tpot_sweep]:
         if result.tpot_sweep:
             lines.append(f"-- {c.slo.describe()}")
-        lines.append(
-            f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11} {'crossing':>8} {'CPU ms/req':>10}  repeats (rate / crossing)"
-        )
+        lines.append(f"{'variant':>10} {'policy':>7} {'router':>20} {'median rate':>11} {'crossing':>8}  repeats (rate / crossing)")
         for name, v in c.variants.items():
             repeats = ", ".join(f"{r:.3g} / {x:.3g}" for r, x in zip(v.max_rates, v.crossing_rates))
-            cpu = "-" if v.cpu_ms_per_request is None else f"{v.cpu_ms_per_request:.3g}"
-            lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g} {v.crossing_rate:>8.3g} {cpu:>10}  {repeats}")
+            lines.append(f"{name:>10} {v.policy:>7} {v.router:>20} {v.max_rate:>11.3g} {v.crossing_rate:>8.3g}  {repeats}")
         for key, value in c.ratios.items():
-            crossing, cost = c.crossing_ratios[key], c.cost_ratios.get(key)
-            cost_text = "" if cost is None else f"; CPU per request {cost:.2f}x"
-            lines.append(f"{key}: {_times(value)} (crossing {_times(crossing)}{cost_text})")
+            crossing = c.crossing_ratios[key]
+            lines.append(f"{key}: {'-' if value is None else f'{value:.2f}x'} (crossing {'-' if crossing is None else f'{crossing:.2f}x'})")
     return "\n".join(lines)
-
-
-def _times(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def plot_tpot_sweep(result: CompareResult, path: Path) -> None:

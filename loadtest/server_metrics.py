@@ -5,9 +5,10 @@ before and after a run, give each replica's share of the finished requests,
 its mean inter-token latency as the engine measured it, and the CPU time its
 processes spent per finished request: a run in which one replica took most
 of the load, or streamed slower than the others, shows here and not in the
-client's percentiles; on CPU replicas the CPU per request is what a request
-costs, and so what bounds the sustainable rate. A server without those
-series (another OpenAI server) gives an empty result.
+client's percentiles. The CPU per request is what was spent at that load, not
+a fixed cost: an engine steps whenever it has requests, so on CPU replicas it
+falls as the rate rises and more requests share each step. A server without
+those series (another OpenAI server) gives an empty result.
 """
 
 from __future__ import annotations
@@ -97,13 +98,6 @@ def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0
         if not loads or sum(r.requests for r in loads.values()) >= finished or time.monotonic() > deadline:
             return loads
         time.sleep(0.5)
-
-
-def pooled_cpu_ms_per_request(loads: dict[str, ReplicaLoad]) -> float | None:
-    """CPU milliseconds per finished request over all replicas that report their CPU time."""
-    measured = [r for r in loads.values() if r.cpu_ms_per_request is not None]
-    requests = sum(r.requests for r in measured)
-    return sum(r.cpu_ms_per_request * r.requests for r in measured) / requests if requests else None
 
 
 def format_loads(loads: dict[str, ReplicaLoad]) -> str:

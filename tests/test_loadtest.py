@@ -16,7 +16,6 @@ from loadtest.capacity import search
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.report import LoadTestReport, Percentiles, build_report, read_rows
 from loadtest.run import free_port, rebuild_report
-from loadtest.server_metrics import ReplicaLoad
 
 
 def _fake_measure(capacity: float, calls: list[float]):
@@ -268,10 +267,7 @@ def _stand_ins(capacities: dict[str, list[float]], events: list):
             return LoadTestReport.model_construct(attainment=0.5)
         rep = int(load.out_dir.parent.name.split("-")[1])
         events.append(("probe", name, load.rate, slo.tpot_ms, rep))
-        report = _fake_measure(capacities[name][rep] * slo.tpot_ms / 37.0, [])(load.rate)
-        # The server's account, as a replica's metrics give it: CPU per request falls with rate (batching).
-        report.replicas = {"r": ReplicaLoad(requests=10, share=1.0, itl_ms=1.0, cpu_ms_per_request=_stand_in_cpu_ms(name, load.rate))}
-        return report
+        return _fake_measure(capacities[name][rep] * slo.tpot_ms / 37.0, [])(load.rate)
 
     def evaluate(load, slo):
         name, rep = load.url.rsplit("/", 1)[1], int(load.out_dir.parent.name.split("-")[1])
@@ -282,11 +278,6 @@ def _stand_ins(capacities: dict[str, list[float]], events: list):
 
 
 CAPACITIES = {"wcs": [6.0, 9.0, 7.0], "dspark": [4.0, 5.0, 3.0], "wcs-pow2": [7.0, 2.0, 5.0]}
-CPU_MS = {"wcs": 40.0, "dspark": 60.0, "wcs-pow2": 45.0}
-
-
-def _stand_in_cpu_ms(name: str, rate: float) -> float:
-    return CPU_MS[name] + 10.0 / rate
 
 
 def _compare(tmp_path, events, protocol, repeats=3, warmup_s=7.0, variants=("wcs", "dspark", "wcs-pow2"), tpot_sweep_ms=()):
@@ -323,12 +314,6 @@ def test_compare_reports_each_variants_median_rate_and_ratios_of_medians(tmp_pat
     assert result.ratios["wcs_vs_dspark"] == pytest.approx(rates["wcs"] / rates["dspark"])
     assert result.ratios["router_vs_pow2"] == pytest.approx(rates["wcs"] / rates["wcs-pow2"])
     assert result.ratios["wcs_vs_ar"] is None  # ar was not run
-    # CPU per request is each round's at its highest sustainable rate (not at another probe), and its median.
-    for name, v in result.variants.items():
-        assert v.cpu_ms_per_requests == [pytest.approx(_stand_in_cpu_ms(name, r)) for r in v.max_rates]
-        assert v.cpu_ms_per_request == pytest.approx(float(np.median(v.cpu_ms_per_requests)))
-    cpu = {name: v.cpu_ms_per_request for name, v in result.variants.items()}
-    assert result.cost_ratios["wcs_vs_dspark"] == pytest.approx(cpu["dspark"] / cpu["wcs"]) and result.cost_ratios["wcs_vs_ar"] is None
     # Every fresh server is warmed once, at the start rate, before any of its probes.
     starts = [e[1] for e in events if e[0] == "start"]
     assert [e[1:] for e in events if e[0] == "warm"] == [(name, 1.5, 7.0) for name in starts]
@@ -435,7 +420,7 @@ def test_replica_loads_are_each_replicas_finished_requests_and_engine_itl_over_t
 
 
 def test_replica_loads_count_each_replicas_cpu_time_per_finished_request_over_the_run():
-    from loadtest.server_metrics import counters_from_text, format_loads, pooled_cpu_ms_per_request, replica_loads
+    from loadtest.server_metrics import counters_from_text, format_loads, replica_loads
 
     work = {"a": (10, 0, 1.0, 100), "b": (5, 0, 2.0, 100)}
     before = counters_from_text(_metrics_text(work, cpu={"a": (100.0, 50.0), "b": (10.0, 5.0)}))
@@ -445,12 +430,11 @@ def test_replica_loads_count_each_replicas_cpu_time_per_finished_request_over_th
     # process CPU and aborted requests count for no replica.
     assert loads["a"].cpu_ms_per_request == pytest.approx(4000 / 30) and loads["a"].engine_cpu_share == pytest.approx(0.75)
     assert loads["b"].cpu_ms_per_request == pytest.approx(200.0) and loads["b"].engine_cpu_share == pytest.approx(0.75)
-    assert pooled_cpu_ms_per_request(loads) == pytest.approx(6000 / 40)
     assert format_loads(loads) == "replicas 75%/25% of requests, ITL 6.0/12.0 ms, CPU 133/200 ms per request (75%/75% in the engine)"
     # A server whose replicas do not report CPU time (or a replica that finished nothing) has no CPU figure.
     plain = replica_loads(counters_from_text(_metrics_text(work)), counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "b": (5, 0, 2.0, 100)})))
     assert all(r.cpu_ms_per_request is None and r.engine_cpu_share is None for r in plain.values())
-    assert pooled_cpu_ms_per_request(plain) is None and "CPU" not in format_loads(plain)
+    assert "CPU" not in format_loads(plain)
     # A replica that started during the run: its requests count, its CPU time (its start-up's) does not.
     late = replica_loads(before, counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "c": (5, 0, 0.0, 0)}, cpu={"a": (103.0, 51.0), "c": (30.0, 3.0)})))
     assert late["c"].requests == 5 and late["c"].cpu_ms_per_request is None and late["a"].cpu_ms_per_request == pytest.approx(4000 / 30)

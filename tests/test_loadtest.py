@@ -441,26 +441,30 @@ def test_replica_loads_count_each_replicas_cpu_time_per_finished_request_over_th
 
 
 def test_process_cpu_seconds_counts_a_busy_child_as_engine_time_and_an_idle_one_as_none():
-    from replicas.metrics import process_cpu_seconds
+    """Run in a fresh interpreter, whose only child is the one it starts (this one has servers as children)."""
+    probe = """
+import json, subprocess, sys, time
+from replicas.metrics import process_cpu_seconds
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+time.sleep(1.5)
+engine = process_cpu_seconds()["engine"]
+child.kill()
+before = process_cpu_seconds()["replica"]
+end = time.process_time() + 0.3
+while time.process_time() < end:
+    pass
+print(json.dumps({"engine": engine, "own": process_cpu_seconds()["replica"] - before}))
+"""
 
-    def engine_seconds(code: str) -> float:
-        child = subprocess.Popen([sys.executable, "-c", code])
-        try:
-            time.sleep(1.5)
-            return process_cpu_seconds()["engine"]
-        finally:
-            child.kill()
-            child.wait()
+    def run(child_code: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", probe, child_code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
 
-    busy = engine_seconds("import time\nend = time.time() + 10\nwhile time.time() < end: pass")
-    idle = engine_seconds("import time; time.sleep(10)")
-    assert busy > idle + 0.5 and idle < 0.5  # the interpreter's start-up is the idle child's only CPU
-    before = process_cpu_seconds()["replica"]
-    end = time.process_time() + 0.3
-    while time.process_time() < end:
-        pass
-    assert process_cpu_seconds()["replica"] - before >= 0.25
-
+    busy = run("import time\nend = time.time() + 10\nwhile time.time() < end: pass")
+    idle = run("import time; time.sleep(10)")
+    assert busy["engine"] > idle["engine"] + 0.5 and idle["engine"] < 0.5  # the interpreter's start-up is the idle child's only CPU
+    assert busy["own"] >= 0.25 and idle["own"] >= 0.25  # the process's own busy loop is its own, not the engine's
 
 def test_variant_app_configs_set_policy_pricing_router_slo_step_cap_and_pace():
     from cluster.app import AppConfig

@@ -48,12 +48,13 @@ class LatestSchedulerStats:
         return lambda vllm_config, engine_index=0: self
 
 
-def process_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) of this process ("replica": the Serve actor, which tokenizes, detokenizes and
-    streams) and of its child processes ("engine": vLLM's engine core, which AsyncLLM always runs apart)."""
+def process_cpu_seconds(pid: int | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of a process, this one by default ("replica": the Serve actor, which tokenizes,
+    detokenizes and streams), and of its child processes ("engine": vLLM's engine core, which AsyncLLM always
+    runs apart)."""
     import psutil
 
-    me = psutil.Process()
+    me = psutil.Process(pid)
     engine = 0.0
     for child in me.children(recursive=True):
         try:

@@ -191,17 +191,9 @@ def test_the_same_seed_sends_the_same_load_and_another_seed_does_not(server, tmp
 
 
 def _tree_cpu_s(pid: int) -> float:
-    import psutil
+    from replicas.metrics import process_cpu_seconds
 
-    root = psutil.Process(pid)
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return sum(process_cpu_seconds(pid).values())
 
 
 def test_a_paused_server_takes_no_cpu_and_serves_again_once_resumed(server):

@@ -1,6 +1,7 @@
 """The `forespark` command line.
 
     forespark serve [--port 8000]        serve the OpenAI API on Ray Serve (what `make serve` runs)
+    forespark serve --dry-run [--assume-gpus N]   the configuration it would serve on this (or an N-GPU) host
     forespark demo                       offline planner demo (no server)
     forespark bench planner [--json P]   decision time of the WCS planner per engine step
     forespark bench engine [--json P]    every policy on one WCS vLLM engine, matched-rate throughput ratios
@@ -66,32 +67,12 @@ def cmd_bench_planner(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_replicas() -> int:
-    import os
+def load_app_config(path: str | None, overrides: dict[str, dict], host=None) -> AppConfig:
+    """The application config from a YAML/JSON file, with command-line values (where given) on top and the
+    host's defaults (cluster/host.py; default: this machine) under both."""
+    from cluster import host as hosts
 
-    return max(2, (os.cpu_count() or 2) // 2)
-
-
-def load_app_config(path: str | None, overrides: dict[str, dict]) -> AppConfig:
-    """The application config from a YAML/JSON file, with command-line values (where given) on top."""
-    import yaml
-
-    from cluster.app import AppConfig
-
-    raw = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
-    for section, values in overrides.items():
-        given = {k: v for k, v in values.items() if v is not None}
-        if given:
-            raw.setdefault(section, {}).update(given)
-    config = AppConfig.model_validate(raw)
-    replica = raw.get("replica", {})
-    if "num_replicas" not in replica:
-        config.replica.num_replicas = _default_replicas()
-    if "num_cpus" not in replica:
-        import os
-
-        config.replica.num_cpus = max(1.0, (os.cpu_count() or 2) / config.replica.num_replicas)
-    return config
+    return hosts.load_app_config(path, overrides, host or hosts.HostDescription.detect())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -99,18 +80,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from cluster.app import build_app
+    from cluster.host import HostDescription, print_dry_run
     from cluster.serve_env import serve_environment
     from replicas.engine import cpu_engine_environment
 
     cpu_engine_environment()
     serve_environment()  # a cluster joined with --address has its own, from `ray start` (see the manifests)
     try:
+        host = HostDescription.detect() if args.assume_gpus is None else HostDescription.assume(args.assume_gpus)
         config = load_app_config(
-            args.config, {"ingress": {"api_key": args.api_key}, "replica": {"num_replicas": args.replicas}, "router": {"kind": args.router}}
+            args.config, {"ingress": {"api_key": args.api_key}, "replica": {"num_replicas": args.replicas}, "router": {"kind": args.router}},
+            host,
         )
     except (ValueError, OSError) as e:
         print(f"forespark serve: invalid configuration: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print_dry_run(config, host)
+        return 0
 
     import ray
     from ray import serve
@@ -124,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         print(
-            f"starting {config.replica.num_replicas} engine replica(s), router {config.router.kind}; "
+            f"starting {config.replica.num_replicas} {config.replica.accelerator.upper()} engine replica(s), router {config.router.kind}; "
             "the first start profiles each engine's step cost",
             flush=True,
         )
@@ -414,9 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--replicas", type=int, default=None, help="engine replicas (default: max(2, CPUs / 2))")
+    srv.add_argument("--replicas", type=int, default=None, help="engine replicas (default: GPUs / tensor_parallel_size, else max(2, CPUs / 2))")
     srv.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
     srv.add_argument("--router", choices=("acceptance_headroom", "pow2"), default=None, help="request router (default: acceptance_headroom)")
+    srv.add_argument("--dry-run", action="store_true", help="print the resolved configuration and its Serve options; start nothing")
+    srv.add_argument("--assume-gpus", type=int, default=None, metavar="N", help="resolve defaults for a host with N GPUs (0: a CPU host)")
     srv.set_defaults(func=cmd_serve)
 
     load = sub.add_parser("loadtest", help="Locust SLO load test at one request rate: JSON report and PNG plots")

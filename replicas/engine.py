@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.models.build import WEIGHTS_DIR
 from replicas.wcs.config import WORKER_CLS, WCSConfig
@@ -39,12 +39,31 @@ class EngineConfig(BaseModel):
     dtype: str = "float32"
     max_model_len: int = 1024
     max_num_seqs: int = 64
-    kv_cache_memory_bytes: int = Field(default=256 << 20, description="always set: the CPU build otherwise takes most of RAM")
+    kv_cache_memory_bytes: int | None = Field(
+        default=256 << 20, gt=0,
+        description="KV cache bytes per worker (per GPU under tensor parallelism); the CPU build needs it, else it takes most of RAM",
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1,
+        description="instead of kv_cache_memory_bytes: share of each GPU's memory the engine takes (weights + KV); setting it "
+        "drops the byte default (vLLM ignores this share when bytes are set, except for its start-up free-memory check)",
+    )
     enforce_eager: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = Field(default=None, description="None: vLLM's choice; ray: TP workers in the replica's placement group")
     wcs: WCSConfig | None = Field(default_factory=WCSConfig, description="None: vLLM's own speculation, no WCS")
+
+    @model_validator(mode="after")
+    def _one_kv_size(self) -> "EngineConfig":
+        """Exactly one KV size reaches vLLM: gpu_memory_utilization replaces the default byte count."""
+        if self.gpu_memory_utilization is not None:
+            if self.kv_cache_memory_bytes is not None and "kv_cache_memory_bytes" in self.model_fields_set:
+                raise ValueError("set kv_cache_memory_bytes or gpu_memory_utilization, not both")
+            self.kv_cache_memory_bytes = None
+        elif self.kv_cache_memory_bytes is None:
+            raise ValueError("the KV cache needs a size: kv_cache_memory_bytes or gpu_memory_utilization")
+        return self
 
     def vllm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -52,12 +71,15 @@ class EngineConfig(BaseModel):
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
             "tensor_parallel_size": self.tensor_parallel_size,
             "disable_log_stats": False,
         }
+        if self.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = self.distributed_executor_backend
         if self.drafter is not None:

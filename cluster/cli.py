@@ -359,10 +359,58 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_models_bench(args: argparse.Namespace) -> int:
     from replicas.models.bench import format_models_bench, run_models_bench
 
+    from replicas.engine import DrafterConfig, EngineConfig
+
     widths = list(args.widths) if args.widths else None
-    result = run_models_bench(widths=widths, prompts_per_domain=args.prompts, progress=lambda msg: print(msg, flush=True))
+    engine = EngineConfig(wcs=None)
+    if args.drafter:
+        engine.drafter = DrafterConfig(path=Path(args.drafter))
+    result = run_models_bench(widths=widths, prompts_per_domain=args.prompts, engine=engine, progress=lambda msg: print(msg, flush=True))
     print(format_models_bench(result))
     _write_json(args.json, result.model_dump())
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import yaml
+
+    from cluster.host import HostDescription, resolve_app_config
+    from replicas.engine import engine_environment
+    from replicas.models.workloads import load_workloads
+    from replicas.wcs.calibration import calibrate, format_calibration, load_prompts
+
+    try:
+        k = args.k
+        if k is None:
+            k = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"] - 1
+        raw = (yaml.safe_load(Path(args.config).read_text()) or {}) if args.config else {}
+        replica = dict(raw.get("replica") or {})
+        engine = dict(replica.get("engine") or {})
+        # The engine that records runs the constant prior: the pair has no traces yet.
+        wcs = {**(engine.get("wcs") or {}), "estimator": "constant", "traces": None, "calibration": None}
+        engine.update(model=args.model, drafter={**(engine.get("drafter") or {}), "path": args.drafter, "num_speculative_tokens": k}, wcs=wcs)
+        config = resolve_app_config({**raw, "replica": {**replica, "engine": engine}}, HostDescription.detect())
+        if args.prompts:
+            prompts = load_prompts(Path(args.prompts))
+        else:
+            prompts = {d: p[: args.prompts_per_domain] for d, p in load_workloads().items()}
+    except (ValueError, OSError, KeyError) as e:
+        print(f"forespark calibrate: {e}", file=sys.stderr)
+        return 2
+    engine_config = config.replica.engine
+    engine_environment(engine_config)
+    # Ray gives a replica actor OMP_NUM_THREADS = its num_cpus: profiling with the same keeps the step-cost
+    # profile's key (and its costs) those of the served replicas.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(config.replica.num_cpus))))
+    summary = calibrate(
+        engine_config, Path(args.out), prompts, temperature=args.temperature, truncation_prompts=args.truncation_prompts,
+        progress=lambda msg: print(msg, flush=True),
+    )
+    print(format_calibration(summary))
+    print(f"wrote {args.out}; serve the pair with engine.wcs.calibration: {Path(args.out).resolve()}")
     return 0
 
 
@@ -478,6 +526,20 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-tokens", type=int, default=None, help="cap output tokens (default: the workload's)")
     engine.set_defaults(func=cmd_bench_engine)
 
+    cal = sub.add_parser(
+        "calibrate", help="calibrate WCS for a model pair: acceptance traces, estimator fit and quality, step-cost profile"
+    )
+    cal.add_argument("--model", required=True, help="target model folder (Hugging Face format)")
+    cal.add_argument("--drafter", required=True, help="DFlash drafter folder")
+    cal.add_argument("--k", type=int, default=None, help="draft tokens per pass (default: the drafter's block)")
+    cal.add_argument("--prompts", metavar="FILE.jsonl", help='prompt lines {"prompt", "max_tokens"?, "domain"?} (default: the shipped workloads)')
+    cal.add_argument("--prompts-per-domain", type=int, default=64, help="shipped prompts per domain when --prompts is not given")
+    cal.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the recorded requests")
+    cal.add_argument("--truncation-prompts", type=int, default=12, help="prompts per domain for a non-causal drafter's truncation check")
+    cal.add_argument("--config", metavar="PATH", help="the AppConfig you serve with: its engine settings (dtype, TP, KV, max_num_seqs) are calibrated")
+    cal.add_argument("--out", default="calibration", help="calibration folder to write (default ./calibration)")
+    cal.set_defaults(func=cmd_calibrate)
+
     models = sub.add_parser("models", help="the embedded target and drafter")
     models_sub = models.add_subparsers(dest="models", required=True)
     mbuild = models_sub.add_parser("build", help="train tokenizer, target and drafter (about 15 minutes on 2 cores)")
@@ -489,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     mbench.add_argument("--json", metavar="PATH", help="write results here")
     mbench.add_argument("--widths", type=_int_list, default=None, help="comma-separated widths (default 1..block)")
     mbench.add_argument("--prompts", type=int, default=24, help="prompts per domain")
+    mbench.add_argument("--drafter", metavar="PATH", help="DFlash checkpoint to bench (default: the embedded drafter)")
     mbench.set_defaults(func=cmd_models_bench)
     mtraces = models_sub.add_parser("traces", help="record acceptance traces through vLLM and score the estimators")
     mtraces.add_argument(

@@ -147,6 +147,13 @@ class EngineReplica:
             if not finished:  # the caller went away: closing the stream aborted the engine request
                 self.aborted += 1
 
+    async def runner_info(self) -> dict:
+        """This replica's process and, per engine rank, its process and model runner (`WCSWorker.wcs_runner_info`)."""
+        import os
+
+        ranks = await self.engine.engine.collective_rpc("wcs_runner_info") if self.engine.has_wcs else []
+        return {"pid": os.getpid(), "ranks": ranks}
+
     async def check_health(self) -> None:
         """Serve's health check: raising marks the replica unhealthy, and Serve replaces it."""
         await self.engine.check_health()

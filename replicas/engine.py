@@ -7,20 +7,23 @@ engine, so every setting has one home and one default.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.models.build import WEIGHTS_DIR
-from replicas.wcs.config import WORKER_CLS, WCSConfig
+from replicas.wcs.config import RUNNER_ENV, WORKER_CLS, WCSConfig
 
 
 def cpu_engine_environment() -> None:
-    """Process settings the CPU build needs (set before vLLM is imported)."""
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """Process settings the CPU build needs (set before vLLM is imported). A host with NVIDIA's driver tools
+    (what `make` installs the GPU build on) keeps vLLM's own: TP workers there may span nodes."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if shutil.which("nvidia-smi") is None:
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 class DrafterConfig(BaseModel):
@@ -65,6 +68,18 @@ class EngineConfig(BaseModel):
             raise ValueError("the KV cache needs a size: kv_cache_memory_bytes or gpu_memory_utilization")
         return self
 
+    @model_validator(mode="after")
+    def _wcs_has_traces(self) -> "EngineConfig":
+        if self.wcs is not None and self.drafter is not None:
+            self.wcs.check_pair(self.model, self.drafter.path)  # an error naming `forespark calibrate`, at config load
+        return self
+
+    def wcs_for_pair(self) -> WCSConfig | None:
+        """The WCS settings as the engine runs them: traces and draft widths resolved for this model pair."""
+        if self.wcs is None or self.drafter is None:
+            return self.wcs
+        return self.wcs.for_pair(self.model, self.drafter.path, self.drafter.num_speculative_tokens)
+
     def vllm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "model": str(self.model),
@@ -90,15 +105,25 @@ class EngineConfig(BaseModel):
             }
             if self.wcs is not None:
                 kwargs["worker_cls"] = WORKER_CLS
-                kwargs["additional_config"] = self.wcs.additional_config()
+                kwargs["additional_config"] = self.wcs_for_pair().additional_config()
                 # WCS hands the scheduler each step's drafts synchronously (the CPU build is always sync).
                 kwargs["async_scheduling"] = False
         return kwargs
 
 
-def make_llm(config: EngineConfig):
-    """An offline `vllm.LLM` for this config (in-process on the CPU build)."""
+def engine_environment(config: EngineConfig) -> None:
+    """Process settings for an engine of this config, set before vLLM reads them: the CPU build's, and
+    for WCS engines the V1 model runner (`RUNNER_ENV`; a value the operator set is kept, and a V2 one is
+    refused by the WCS worker with its reason)."""
     cpu_engine_environment()
+    if config.wcs is not None and config.drafter is not None:
+        os.environ.setdefault(RUNNER_ENV, "0")
+
+
+def make_llm(config: EngineConfig):
+    """An offline `vllm.LLM` for this config, its engine core in this process (`model_runner` reaches into it)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine_environment(config)
     from vllm import LLM
 
     if config.wcs is not None and config.drafter is not None:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
-from replicas.engine import EngineConfig, cpu_engine_environment
+from replicas.engine import EngineConfig, engine_environment
 
 # The embedded models are plain language models without a chat format: messages are joined.
 PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
@@ -100,7 +100,7 @@ class OpenAIEngine:
         """Start the engine (its core in its own process) and, with WCS, load or profile its step cost.
 
         `stat_loggers`: vLLM stat-logger factories, next to vLLM's own (Prometheus) logger."""
-        cpu_engine_environment()
+        engine_environment(config)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -8,6 +8,8 @@
 | wcs    | (0, w), estimator gains      | post-draft sorted    |
 | oracle | (a+1, a+1), a = true accepts | all drafted          |
 
+With `whole_blocks`, wcs takes the better of the plans (w, w) and (0, 0).
+
 No policy has a code path of its own: each only chooses the bounds passed to
 `plan_step` and the verify floor passed to `distribute_verify_budget`.
 """
@@ -45,6 +47,11 @@ class StepLimits(BaseModel):
 class Policy(BaseModel):
     name: PolicyName
     k: int = Field(ge=1, description="drafter block size: the widest draft")
+    whole_blocks: bool = Field(
+        default=False,
+        description="wcs drafts every request's widest block or nothing in a step (for drafters whose truncated blocks "
+        "lose acceptance): the better of the two plans",
+    )
 
     @property
     def verifies_all_drafted(self) -> bool:
@@ -81,17 +88,24 @@ class Policy(BaseModel):
     ) -> DraftPlan:
         """`slack_ms` (B,): how far each request is ahead of `limits.pace_tpot_ms` (used only with it)."""
         lo, hi = self.draft_bounds(max_width, oracle_accepted)
-        return plan_step(
-            survival,
-            cost,
-            lo=lo,
-            hi=hi,
-            token_budget=limits.token_budget,
-            time_cap_ms=limits.time_cap_ms,
-            slack_ms=slack_ms,
-            tpot_ms=limits.pace_tpot_ms,
-            validate=validate,
-        )
+
+        def best(lo: np.ndarray, hi: np.ndarray) -> DraftPlan:
+            return plan_step(
+                survival,
+                cost,
+                lo=lo,
+                hi=hi,
+                token_budget=limits.token_budget,
+                time_cap_ms=limits.time_cap_ms,
+                slack_ms=slack_ms,
+                tpot_ms=limits.pace_tpot_ms,
+                validate=validate,
+            )
+
+        if self.whole_blocks and self.name == PolicyName.WCS:
+            full, none = best(hi, hi), best(lo, lo)
+            return full if full.tokens_per_ms > none.tokens_per_ms else none
+        return best(lo, hi)
 
     def verify(
         self, post_survival: np.ndarray, plan: DraftPlan, cost: StepCostModel, limits: StepLimits

@@ -74,3 +74,19 @@ def test_limits_bind_every_policy(curves):
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError):
         Policy(name="greedy", k=4)
+
+
+@pytest.mark.parametrize("level", [0.05, 0.5, 0.95])
+def test_whole_blocks_wcs_drafts_every_full_block_or_nothing_whichever_pays(level):
+    """For drafters whose truncated blocks lose acceptance: no ragged widths, and the better of the two plans."""
+    survival = survival_from_hazards(np.full((8, K), level))
+    width = np.array([K, K, K, 3, K, K, 0, K])  # some requests cannot draft their whole block now
+    whole = Policy(name="wcs", k=K, whole_blocks=True).plan(survival, COST, StepLimits(), width)
+    full = Policy(name="static", k=K).plan(survival, COST, StepLimits(), width)
+    none = Policy(name="ar", k=K).plan(survival, COST, StepLimits(), width)
+    assert np.array_equal(whole.draft, full.draft) or np.array_equal(whole.draft, none.draft)
+    assert whole.tokens_per_ms == pytest.approx(max(full.tokens_per_ms, none.tokens_per_ms))
+    ragged = Policy(name="wcs", k=K).plan(survival, COST, StepLimits(), width)
+    if level == 0.5:  # ragged widths are what the whole-block mode gives up
+        assert set(ragged.draft.tolist()) - {0, 3, K} and ragged.tokens_per_ms > whole.tokens_per_ms
+    assert (whole.draft.any()) == (level > 0.05)

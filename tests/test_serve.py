@@ -83,6 +83,20 @@ def test_openai_client_completes_and_streams_and_the_key_is_required(app):
     assert raw.status_code == 401
 
 
+def test_each_replicas_engine_core_runs_the_v1_runner_in_its_own_process(app):
+    from ray import serve
+
+    from replicas.wcs.config import RUNNER_ENV
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name="forespark")
+    infos = [handle.runner_info.remote().result(timeout_s=60) for _ in range(4)]
+    for info in infos:
+        (rank,) = info["ranks"]  # TP 1: the worker runs inside the engine-core process
+        assert rank["pid"] != info["pid"]  # AsyncLLM's engine core is the replica's child process
+        assert rank["env"] == "0" and rank["use_v2_model_runner"] is False, (RUNNER_ENV, rank)
+        assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner" in rank["runner"]
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

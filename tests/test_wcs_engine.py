@@ -297,6 +297,13 @@ def test_a_planted_lossy_verifier_is_rejected(llm, ar_samples, monkeypatch):
     """Negative control, same sample size: a verifier that keeps a rejected draft instead of the
     corrected token. (A width or verify-length rule alone cannot be lossy here: the drafter is
     greedy, so its drafts are a function of the context, never of the target's samples.)"""
+    plant_lossy_verifier(llm, monkeypatch)
+    samples, _ = sampled_continuations(llm, "static")
+    assert homogeneity_pvalue(samples, ar_samples) < 1e-6
+
+
+def plant_lossy_verifier(llm, monkeypatch) -> None:
+    """Make the engine's verifier keep each rejected draft instead of the corrected token."""
     runner = model_runner(llm)
     sample = runner._sample
 
@@ -312,8 +319,6 @@ def test_a_planted_lossy_verifier_is_rejected(llm, ar_samples, monkeypatch):
         return out
 
     monkeypatch.setattr(runner, "_sample", keep_rejected_drafts)
-    samples, _ = sampled_continuations(llm, "static")
-    assert homogeneity_pvalue(samples, ar_samples) < 1e-6
 
 
 def test_cached_profiles_are_kept_apart_by_cpu_threads(tmp_path, monkeypatch):

@@ -16,11 +16,12 @@ import textwrap
 
 import pytest
 
+from replicas.wcs.config import RUNNER_ENV
 from tests.test_wcs_engine import DRAFTING_PAYS
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
 
     def perturb_rank_one(worker):
         from scheduling.estimators import ConstantEstimator
@@ -30,16 +31,18 @@ SCRIPT = textwrap.dedent(
 
     def main():
         from vllm import LLM, SamplingParams
-        from replicas.engine import EngineConfig
+        from replicas.engine import EngineConfig, engine_environment
         from replicas.models.workloads import load_workloads
 
-        llm = LLM(**EngineConfig(tensor_parallel_size=2).vllm_kwargs())
+        config = EngineConfig(tensor_parallel_size=2)
+        engine_environment(config)  # as every replica sets it up: the V1 runner for the engine core and workers
+        llm = LLM(**config.vllm_kwargs())
         llm.collective_rpc("wcs_set_cost_model", args=(sys.argv[1],))
         ranks = llm.collective_rpc(perturb_rank_one)
         work = load_workloads()
         prompts = [p.prompt for d in work for p in work[d][:4]]
         params = SamplingParams(temperature=0.0, max_tokens=32)
-        out = {"ranks": ranks}
+        out = {"ranks": ranks, "runners": llm.collective_rpc("wcs_runner_info"), "driver_pid": os.getpid()}
         for policy in ("ar", "wcs"):
             llm.collective_rpc("wcs_set_policy", args=(policy,))
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -65,6 +68,7 @@ def tp_run(tmp_path_factory):
         "PYTHONPATH": os.getcwd(),
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the test ships a function to the workers
     }
+    env.pop(RUNNER_ENV, None)  # the script's own engine_environment must set it
     proc = subprocess.run(
         [sys.executable, str(script), DRAFTING_PAYS.model_dump_json()],
         capture_output=True, text=True, env=env, timeout=900,
@@ -76,6 +80,15 @@ def tp_run(tmp_path_factory):
 
 def test_both_ranks_run_wcs_and_rank_one_predicts_differently(tp_run):
     assert sorted(tp_run["ranks"]) == [0, 1]
+
+
+def test_every_rank_has_the_v1_runner_setting_in_its_own_process(tp_run):
+    runners = tp_run["runners"]
+    assert sorted(r["rank"] for r in runners) == [0, 1]
+    assert len({r["pid"] for r in runners} | {tp_run["driver_pid"]}) == 3  # two worker processes besides the driver
+    for r in runners:
+        assert r["env"] == "0" and r["use_v2_model_runner"] is False
+        assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner" in r["runner"], r["runner"]
 
 
 def test_ranks_take_rank_zeros_widths(tp_run):

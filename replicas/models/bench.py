@@ -108,7 +108,8 @@ def run_models_bench(
     anchored: dict[str, dict[str, list[int]]] = {d: {} for d in DOMAINS}
     prefixes: dict[str, list[list[int]]] = {}
     for w in widths:
-        config = engine.model_copy(update={"drafter": DrafterConfig(num_speculative_tokens=w)})
+        drafter = (engine.drafter or DrafterConfig()).model_copy(update={"num_speculative_tokens": w})
+        config = engine.model_copy(update={"drafter": drafter})
         llm = make_llm(config)
         recorder = VerdictCounter(llm)
         for domain in DOMAINS:

@@ -212,3 +212,17 @@ def target_features(target, input_ids: torch.Tensor, layer_ids: list[int]) -> tu
         for h in hooks:
             h.remove()
     return logits, torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+def drafter_variant(src: Path, dst: Path, *, causal: bool) -> Path:
+    """A copy of the DFlash checkpoint in `src` with `dflash_config.causal` set (same weights, linked).
+
+    `causal=False` gives what every public DFlash checkpoint is: block positions attend to the whole block."""
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["dflash_config"]["causal"] = causal
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    return dst

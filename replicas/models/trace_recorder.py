@@ -5,7 +5,7 @@ verifies the full block, as plain vLLM does) and keeps the verdict rows its
 controller builds anyway: the pre-draft features of the position each draft
 starts from (replicas/wcs/features.py) and the realised accepted length. The
 estimator is trained on exactly the features the engine computes when it
-serves.
+serves. `forespark calibrate` records a user's own model pair the same way.
 """
 
 from __future__ import annotations
@@ -14,24 +14,18 @@ import io
 
 import numpy as np
 
+from replicas.models.workloads import Prompt
 from scheduling.traces import Traces
 
 
-def record_traces(prompts_per_domain: int = 64, repeats: int = 1, temperature: float = 0.0, seed: int = 0):
-    """Run the shipped workloads through vLLM with the drafter; returns (traces, domain per row).
-
-    Greedy by default: that is what the shipped drafter is distilled for.
-    """
+def record_on(llm, prompts: dict[str, list[Prompt]], repeats: int = 1, temperature: float = 0.0, seed: int = 0):
+    """Run `prompts` (per domain) through a built WCS `vllm.LLM` under the `static` policy; returns
+    (traces, domain per row)."""
     from vllm import SamplingParams
 
-    from replicas.engine import EngineConfig, make_llm
-    from replicas.models.workloads import load_workloads
-    from replicas.wcs.config import WCSConfig
-
-    llm = make_llm(EngineConfig(wcs=WCSConfig(policy="static", seed=seed)))
+    llm.collective_rpc("wcs_set_policy", args=("static",))
     parts, domains = [], []
-    for domain, prompts in load_workloads().items():
-        chosen = prompts[:prompts_per_domain]
+    for domain, chosen in prompts.items():
         params = [
             SamplingParams(temperature=temperature, max_tokens=p.max_tokens, seed=seed + 1000 * r + i)
             for r in range(repeats)
@@ -46,3 +40,15 @@ def record_traces(prompts_per_domain: int = 64, repeats: int = 1, temperature: f
         parts.append(part)
         domains += [domain] * len(part)
     return Traces.concatenate(parts), np.array(domains)
+
+
+def record_traces(prompts_per_domain: int = 64, repeats: int = 1, temperature: float = 0.0, seed: int = 0):
+    """The shipped workloads through the embedded pair. Greedy by default: that is what the shipped
+    drafter is distilled for."""
+    from replicas.engine import EngineConfig, make_llm
+    from replicas.models.workloads import load_workloads
+    from replicas.wcs.config import WCSConfig
+
+    llm = make_llm(EngineConfig(wcs=WCSConfig(policy="static", seed=seed)))
+    prompts = {d: p[:prompts_per_domain] for d, p in load_workloads().items()}
+    return record_on(llm, prompts, repeats, temperature, seed)

@@ -12,6 +12,10 @@ from scheduling.policies import PolicyName
 
 CONFIG_KEY = "forespark"  # key under vLLM's `additional_config`
 WORKER_CLS = "replicas.wcs.worker.WCSWorker"
+# WCS is built on vLLM's V1 model runner. vLLM picks V2 on CUDA hosts with Triton unless told otherwise, and reads
+# this variable in every process: the engine core's scheduler branches on it too. The engine core inherits it
+# from the replica, and vLLM's Ray executor copies every VLLM_* variable to its TP workers.
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 class WCSConfig(BaseModel):
@@ -19,7 +23,20 @@ class WCSConfig(BaseModel):
 
     policy: PolicyName = Field(default=PolicyName.WCS, description="ar | static | dspark | wcs")
     estimator: Literal["context", "ewma", "constant"] = "context"
-    traces: Path = Field(default=WEIGHTS_DIR / "traces.npz", description="acceptance traces the estimator is fitted on")
+    traces: Path | None = Field(
+        default=None,
+        description="acceptance traces the estimator is fitted on; None: the calibration's, or for the embedded pair its "
+        "shipped traces",
+    )
+    calibration: Path | None = Field(
+        default=None,
+        description="a `forespark calibrate` folder for this model pair: its traces, step-cost profiles and draft-width mode",
+    )
+    draft_widths: Literal["ragged", "whole_blocks"] = Field(
+        default="ragged",
+        description="ragged: any width per request; whole_blocks: each step drafts every request's full block or nothing "
+        "(for non-causal drafters whose truncated blocks lose acceptance; `forespark calibrate` measures it)",
+    )
     cost_model: Path | None = Field(
         default=None, description="profiled step-cost JSON; None: profile at start and cache per engine config"
     )
@@ -46,9 +63,39 @@ class WCSConfig(BaseModel):
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 
+    def check_pair(self, model: Path, drafter: Path) -> None:
+        """Refuse a pair this config has no acceptance traces for (reads no files: a calibration folder may exist
+        only on the serving hosts). A pair other than the embedded one needs its own (`forespark calibrate`),
+        unless the estimator is the constant prior, which reads none: a toy model's features would steer it."""
+        if self.traces is not None or self.calibration is not None or self.estimator == "constant" or _embedded(model, drafter):
+            return
+        raise ValueError(
+            f"WCS has no acceptance traces for the model pair {model} + {drafter}: run "
+            f"`forespark calibrate --model {model} --drafter {drafter} --out DIR` and set engine.wcs.calibration: DIR "
+            "(or engine.wcs.estimator: constant to serve without one)"
+        )
+
+    def for_pair(self, model: Path, drafter: Path, k: int) -> "WCSConfig":
+        """This config with its traces and draft-width mode resolved for the (target, drafter) pair it serves,
+        drafting `k` tokens."""
+        self.check_pair(model, drafter)
+        if self.traces is not None or self.estimator == "constant":
+            return self
+        if self.calibration is not None:
+            from replicas.wcs.calibration import Calibration
+
+            return Calibration.load(self.calibration).apply(self.calibration, self, k)
+        if _embedded(model, drafter):
+            return self.model_copy(update={"traces": WEIGHTS_DIR / "traces.npz"})
+        return self
+
     def additional_config(self) -> dict:
         return {CONFIG_KEY: self.model_dump(mode="json")}
 
     @classmethod
     def from_vllm(cls, additional_config: dict | None) -> "WCSConfig":
         return cls.model_validate((additional_config or {}).get(CONFIG_KEY, {}))
+
+
+def _embedded(model: Path, drafter: Path) -> bool:
+    return Path(model).resolve() == (WEIGHTS_DIR / "target").resolve() and Path(drafter).resolve() == (WEIGHTS_DIR / "drafter").resolve()

@@ -48,7 +48,7 @@ def fit_estimators(config: WCSConfig, k: int) -> tuple[SurvivalEstimator, PostDr
     Without traces (recording them needs none): a constant prior and the raw drafter confidences.
     """
     calibrator = PostDraftCalibrator(k)
-    if not config.traces.exists():
+    if config.traces is None or not config.traces.exists():
         logger.warning("no acceptance traces at %s: the estimator starts from a constant prior", config.traces)
         return ConstantEstimator(k), calibrator
     traces = Traces.load(config.traces)
@@ -90,7 +90,7 @@ class StepController:
         self._paced_from: dict[str, tuple[float, int]] = {}  # request -> (when it was first planned, tokens it had then)
 
     def set_policy(self, name: PolicyName | str) -> None:
-        self.policy = Policy(name=PolicyName(name), k=self.k)
+        self.policy = Policy(name=PolicyName(name), k=self.k, whole_blocks=self.config.draft_widths == "whole_blocks")
         if self.policy.name == PolicyName.ORACLE:
             raise ValueError("the oracle policy needs true acceptances: replay and simulation only")
         self.stats = WCSStats(policy=self.policy.name.value, k=self.k)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -29,25 +30,54 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FORESPARK_CACHE", Path.home() / ".cache" / "forespark"))
 
 
-def _machine() -> str:
-    """The machine and the CPU threads the engine is given: Ray sets OMP_NUM_THREADS to an actor's
+def gpu_names() -> list[str]:
+    """The names of the GPUs this process may use (empty on a host without NVIDIA GPUs), from `nvidia-smi`,
+    which neither needs CUDA initialised nor takes GPU memory."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    names = dict(line.split(", ", 1) for line in out.strip().splitlines() if ", " in line)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    indices = [i.strip() for i in visible.split(",") if i.strip()] if visible is not None else sorted(names)
+    return [names[i] for i in indices if i in names]
+
+
+def machine() -> str:
+    """The machine, its GPUs and the CPU threads the engine is given: Ray sets OMP_NUM_THREADS to an actor's
     `num_cpus`, a plain process leaves it unset and runs on all cores; step costs differ."""
     cpu = platform.processor()
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{platform.machine()}|{cpu}|{os.cpu_count()}|OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
+    # The kinds of GPU, not how many this process sees: a TP-1 replica under Ray sees one, a TP-2 replica's
+    # actor (no GPU of its own) and `forespark calibrate` on the host see them all.
+    gpus = ",".join(sorted(set(gpu_names()))) or "none"
+    return f"{platform.machine()}|{cpu}|{os.cpu_count()}|gpus={gpus}|OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
+
+
+def profile_name(config) -> str:
+    """The file name of the step-cost profile of an EngineConfig on this machine (WCS settings aside)."""
+    # The executor backend is left out: a replica under Serve hands TP to Ray, `forespark calibrate` to vLLM's choice.
+    key = config.model_dump(mode="json", exclude={"wcs", "seed", "distributed_executor_backend"})
+    digest = hashlib.sha256(json.dumps([key, machine(), PROFILE_VERSION], sort_keys=True).encode()).hexdigest()[:16]
+    return f"{digest}.json"
 
 
 def with_cost_model(config):
-    """`config` (an EngineConfig) with its WCS cost-model path filled in."""
+    """`config` (an EngineConfig) with its WCS cost-model path filled in: its calibration's profile when that
+    calibration was profiled with this engine config on this machine, else the cache's (profiled at start
+    when missing)."""
     if config.wcs.cost_model is not None:
         return config
-    key = config.model_dump(mode="json", exclude={"wcs", "seed"})
-    digest = hashlib.sha256(json.dumps([key, _machine(), PROFILE_VERSION], sort_keys=True).encode()).hexdigest()[:16]
-    wcs = config.wcs.model_copy(update={"cost_model": cache_dir() / "step_cost" / f"{digest}.json"})
-    return config.model_copy(update={"wcs": wcs})
+    name = profile_name(config)
+    path = cache_dir() / "step_cost" / name
+    if config.wcs.calibration is not None and (config.wcs.calibration / "step_cost" / name).exists():
+        path = config.wcs.calibration / "step_cost" / name
+    return config.model_copy(update={"wcs": config.wcs.model_copy(update={"cost_model": path})})
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:

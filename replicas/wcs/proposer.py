@@ -5,7 +5,11 @@ newest token, then K mask tokens) and samples all K. Here the block is
 compacted to 1 + d_i rows per request before the forward pass, so the
 drafter's attention and MLP run on sum(1 + d_i) rows and its LM head on
 sum(d_i) rows; positions past d_i come back as -1. With a causal drafter the
-rows kept compute exactly what they compute in the full block.
+rows kept compute exactly what they compute in the full block. With a
+non-causal one (every public DFlash checkpoint) they attend to the truncated
+block only: still lossless (widths are chosen before drafting), and whether it
+keeps acceptance is measured per pair by `forespark calibrate`, which serves
+the pair with whole blocks when it does not (docs/design/wcs-in-vllm.md).
 
 Later drafts attend to the drafter's context K/V of every token the target
 computed. A step in which no request drafts does not run the drafter at all:
@@ -141,8 +145,6 @@ class RaggedDFlashProposer(DFlashProposer):
             self.valid = None
             self.forward_rows = n_full
             return n_full, sample_rows, cad
-        if not self.dflash_causal:
-            raise RuntimeError("ragged draft widths need a causal DFlash drafter")
         d = widths.to(torch.int64).clamp(0, k)
         query_len = 1 + d
         per_req = 1 + k

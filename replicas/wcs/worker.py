@@ -8,11 +8,12 @@ reached through `collective_rpc` (one answer per rank).
 from __future__ import annotations
 
 import io
+import os
 
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from replicas.wcs.config import WCSConfig
+from replicas.wcs.config import RUNNER_ENV, WCSConfig
 from replicas.wcs.controller import StepController, fit_estimators
 from replicas.wcs.runner import install
 from scheduling.cost_model import StepCostModel
@@ -26,8 +27,20 @@ else:
 logger = init_logger(__name__)
 
 
+def check_v1_runner(vllm_config) -> None:
+    """WCS hooks into the V1 runner (`drafter`, `propose_draft_token_ids`); V2 has neither."""
+    if vllm_config.use_v2_model_runner:
+        raise RuntimeError(
+            "WCS runs on vLLM's V1 model runner, but this engine selected Model Runner V2 "
+            f"({RUNNER_ENV}={os.environ.get(RUNNER_ENV, 'unset')}). Set {RUNNER_ENV}=0 in the environment of every "
+            "engine process before vLLM starts (replicas.engine.engine_environment does so for WCS engines unless "
+            f"{RUNNER_ENV} is already set), or serve with wcs: null to run vLLM's own speculation on V2."
+        )
+
+
 class WCSWorker(_PlatformWorker):
     def init_device(self) -> None:
+        check_v1_runner(self.vllm_config)
         super().init_device()
         config = WCSConfig.from_vllm(self.vllm_config.additional_config)
         spec = self.vllm_config.speculative_config
@@ -53,6 +66,17 @@ class WCSWorker(_PlatformWorker):
     @property
     def _wcs(self) -> StepController:
         return self.model_runner.wcs
+
+    def wcs_runner_info(self) -> dict:
+        """Which model runner this rank built, and the setting that chose it (this process's)."""
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "env": os.environ.get(RUNNER_ENV),
+            "use_v2_model_runner": bool(self.vllm_config.use_v2_model_runner),
+            "runner": [f"{c.__module__}.{c.__qualname__}" for c in type(self.model_runner).__mro__ if "ModelRunner" in c.__name__],
+            "drafter_causal": bool(self.model_runner.drafter.dflash_causal),
+        }
 
     def wcs_stats(self) -> dict:
         ctl = self._wcs

@@ -44,6 +44,7 @@ import numpy as np
 from scheduling.cost_model import StepCostModel
 
 PREFILL_UNIT = 100.0  # prefill tokens per regression unit (keeps the columns on one scale)
+MIN_INTERCEPT_MS = 0.01
 
 
 class OnlineCostModel:
@@ -95,7 +96,9 @@ class OnlineCostModel:
         fixed = float(coef[0])  # the prefill coefficient only keeps prefill out of the constant
         # The served model must stay a step-cost model: a non-negative intercept and launch cost. Plain floats:
         # the offsets travel in the engine's stats, and vLLM's serialiser refuses numpy scalars.
-        intercept = max(self.profiled.intercept_ms + fixed, 0.0)
+        # (A floor above zero: a profile taken on a loaded machine may be corrected down by nearly all of its
+        # intercept, and a step predicted to cost nothing at all breaks every tokens-per-ms ratio.)
+        intercept = max(self.profiled.intercept_ms + fixed, MIN_INTERCEPT_MS)
         launch = max(self.profiled.draft_launch_ms + float(coef[1]), 0.0)
         if abs(intercept - self.model.intercept_ms) >= self.min_change_ms or abs(launch - self.model.draft_launch_ms) >= self.min_change_ms:
             self.model = self.profiled.model_copy(update={"intercept_ms": intercept, "draft_launch_ms": launch})

@@ -96,10 +96,15 @@ def test_the_window_forgets_older_steps():
     assert online.offset_ms == pytest.approx(5.0, abs=0.1)
 
 
-def test_faster_steps_than_profiled_never_take_the_intercept_below_zero():
+def test_faster_steps_than_profiled_never_make_a_step_free():
+    """A profile taken on a loaded machine is corrected down by nearly all of its intercept, never to a step
+    that costs nothing (every tokens-per-ms ratio would divide by zero)."""
+    from scheduling.online_cost import MIN_INTERCEPT_MS
+
     online = OnlineCostModel(PROFILE)
     feed(online, 64, lambda rng, d, p: -50.0)
-    assert online.model.intercept_ms == 0.0 and online.offset_ms == -PROFILE.intercept_ms
+    assert online.model.intercept_ms == MIN_INTERCEPT_MS
+    assert online.offset_ms == pytest.approx(MIN_INTERCEPT_MS - PROFILE.intercept_ms)
 
 
 def test_a_longer_fixed_step_cost_makes_the_planner_draft_more():
@@ -148,3 +153,4 @@ def test_the_runner_times_a_step_only_when_the_next_follows_it_directly():
     runner._wcs_last = last_step(("a", "b"), start=2.0)
     runner._wcs_time_last_step(9.0, {"x": 1})
     assert len(runner.wcs.steps) == 2 and runner._wcs_last is None
+

@@ -85,9 +85,13 @@ class Policy(BaseModel):
         oracle_accepted: np.ndarray | None = None,
         validate: bool = True,
         slack_ms: np.ndarray | None = None,
+        probes: np.ndarray | None = None,
     ) -> DraftPlan:
-        """`slack_ms` (B,): how far each request is ahead of `limits.pace_tpot_ms` (used only with it)."""
+        """`slack_ms` (B,): how far each request is ahead of `limits.pace_tpot_ms` (used only with it).
+        `probes` (B,): draft slots forced for exploration (`scheduling.exploration`), within each request's bounds."""
         lo, hi = self.draft_bounds(max_width, oracle_accepted)
+        if probes is not None:
+            lo = np.maximum(lo, np.minimum(probes, hi))
 
         def best(lo: np.ndarray, hi: np.ndarray) -> DraftPlan:
             return plan_step(

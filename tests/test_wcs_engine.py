@@ -334,3 +334,72 @@ def test_cached_profiles_are_kept_apart_by_cpu_threads(tmp_path, monkeypatch):
     every = with_cost_model(EngineConfig()).wcs.cost_model
     assert with_cost_model(EngineConfig()).wcs.cost_model == every  # the same setting finds the same profile
     assert one != every and one.parent == every.parent == tmp_path / "step_cost"
+
+
+# A prompt whose greedy continuation repeats itself: the drafter's blocks are mostly accepted.
+REPETITIVE = "values = [" + "1, 2, 3, " * 24
+TRAP_COST = DRAFTING_PAYS.model_copy(update={"draft_launch_ms": 1.0})  # pays at 0.7+, not at a believed 0.05
+
+
+def plant_wrong_belief(worker, closed_loop: bool):
+    """An estimator sure that 0.05 of drafts are accepted; probes and recalibration as asked."""
+    from scheduling.estimators import ConstantEstimator
+    from scheduling.exploration import ProbeSchedule
+    from scheduling.recalibration import OnlineRecalibrator
+
+    ctl = worker.model_runner.wcs
+    ctl.estimator = ConstantEstimator(ctl.k, prior=0.05, prior_weight=1e6)
+    ctl.recalibrator = OnlineRecalibrator(ctl.k) if closed_loop else None
+    ctl.probes = ProbeSchedule(16) if closed_loop else None
+    return True
+
+
+def verified_per_step(llm, policy: str, closed_loop: bool = True) -> tuple[list[int], WCSStats]:
+    from vllm import SamplingParams
+
+    llm.collective_rpc("wcs_set_policy", args=(policy,))
+    llm.collective_rpc(plant_wrong_belief, args=(closed_loop,))
+    llm.collective_rpc("wcs_step_log", args=(True,))
+    llm.generate([REPETITIVE] * 4, SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True), use_tqdm=False)
+    steps = llm.collective_rpc("wcs_step_log", args=(False,))[0]
+    return [s["verified_tokens"] for s in steps if not s["prefill"] and s["requests"] == 4], stats(llm)
+
+
+@pytest.fixture(scope="module")
+def trap_runs(llm):
+    from replicas.wcs.controller import fit_estimators
+
+    llm.collective_rpc("wcs_set_cost_model", args=(TRAP_COST.model_dump_json(),))
+    try:
+        yield {name: verified_per_step(llm, policy, closed) for name, policy, closed in (
+            ("static", "static", True), ("wcs", "wcs", True), ("wcs_open_loop", "wcs", False),
+        )}
+    finally:
+        llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+        llm.collective_rpc(restore_estimators)
+
+
+def restore_estimators(worker):
+    from replicas.wcs.controller import fit_estimators
+    from scheduling.exploration import ProbeSchedule
+    from scheduling.recalibration import OnlineRecalibrator
+
+    ctl = worker.model_runner.wcs
+    ctl.estimator, ctl.calibrator = fit_estimators(ctl.config, ctl.k)
+    ctl.recalibrator, ctl.probes = OnlineRecalibrator(ctl.k), ProbeSchedule(ctl.config.explore_every)
+    return True
+
+
+def test_probes_and_recalibration_get_wcs_out_of_a_wrong_belief_within_64_steps(trap_runs):
+    static_steps, static = trap_runs["static"]
+    assert static.accepted >= 0.7 * static.verified  # the prompt this test needs
+    wcs, _ = trap_runs["wcs"]
+    assert len(wcs) >= 64
+    assert np.mean(wcs[48:64]) >= 0.8 * np.mean(static_steps), (wcs[:64], np.mean(static_steps))
+
+
+def test_without_probes_and_recalibration_wcs_stays_trapped(trap_runs):
+    """Negative control: the same engine and belief, open loop."""
+    static_steps, _ = trap_runs["static"]
+    trapped, _ = trap_runs["wcs_open_loop"]
+    assert np.mean(trapped[48:64]) < 0.2 * np.mean(static_steps)

@@ -60,6 +60,17 @@ class WCSConfig(BaseModel):
         ge=1,
         description="after a plan that chose to draft nothing, plan again only every this many steps (1: every step)",
     )
+    explore_every: int | None = Field(
+        default=16,
+        ge=1,
+        description="a request with no verified draft for this many of its steps gets a one-token probe (its interval "
+        "doubles after each rejected probe, up to 8x; scheduling/exploration.py); None: no exploration",
+    )
+    recalibrate: bool = Field(
+        default=True,
+        description="move the estimator's per-position predictions to the acceptance realised while serving "
+        "(scheduling/recalibration.py)",
+    )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 

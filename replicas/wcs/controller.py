@@ -30,9 +30,11 @@ from replicas.wcs.stats import WCSStats
 from scheduling.calibration import PostDraftCalibrator
 from scheduling.cost_model import StepCostModel
 from scheduling.estimators import ESTIMATORS, ConstantEstimator, SurvivalEstimator
+from scheduling.exploration import ProbeSchedule
 from scheduling.online_cost import OnlineCostModel
 from scheduling.planner import DraftPlan
 from scheduling.policies import Policy, PolicyName, StepLimits
+from scheduling.recalibration import OnlineRecalibrator
 from scheduling.survival import hazards_from_survival
 from scheduling.traces import PreDraftInputs, Traces
 
@@ -78,6 +80,9 @@ class StepController:
         self.cost = cost
         self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms, pace_tpot_ms=config.pace_tpot_ms)
         self.tracker = AcceptanceTracker(k, config.history_decay)
+        self.recalibrator = OnlineRecalibrator(k) if config.recalibrate else None
+        self.probes = ProbeSchedule(config.explore_every) if config.explore_every else None
+        self._probes_due = False  # some request is due for a probe: do not hold
         self.set_policy(config.policy)
         self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
         self.profiling_skip = 0.25  # ... and this share of those steps drafting nothing
@@ -140,10 +145,16 @@ class StepController:
         self.stats.add_positions("verified_per_pos", verified)
         self.stats.add_positions("accepted_per_pos", accepted)
         self.stats.verify_steps += int((verified > 0).sum())
+        if self.probes is not None and self._ever_drafts:
+            self._probes_due = self.probes.observe(req_ids, verified, accepted)
         verdicts = self.tracker.verdicts(req_ids, verified, accepted)
         if verdicts is None:
             return
         rows = verdicts.rows
+        if self.recalibrator is not None:
+            # Against the estimator's own predictions for these rows, before it learns from them.
+            raw = hazards_from_survival(self.estimator.predict(rows.inputs))
+            self.recalibrator.update(raw, rows.drafted, rows.accepted)
         self.estimator.update(rows.inputs, rows.drafted, rows.accepted)
         self.calibrator.update(rows.confidence, verdicts.prior, rows.drafted, rows.accepted)
         if self.recorded is not None:
@@ -171,20 +182,28 @@ class StepController:
         slack = self.slack_ms(req_ids, generated) if self.limits.pace_tpot_ms and generated is not None else None
         if features is None:
             if self.needs_drafter():
-                if not self.holds_no_drafts():
+                if not self._may_hold():  # (a probe that fell due since the runner decided to hold waits a step)
                     raise ValueError("plan needs features unless the policy never drafts or a plan without drafts holds")
                 self._held += 1
                 self.stats.held_steps += 1
             draft = np.zeros(len(req_ids), dtype=np.int64)
         else:
             self._inputs = self.tracker.pre_draft(req_ids, features)
-            survival = self._survival = self.estimator.predict(self._inputs)
+            survival = self.estimator.predict(self._inputs)
+            if self.recalibrator is not None:
+                survival = self.recalibrator.apply(survival)
+            self._survival = survival
             if self.profiling is not None:
                 # Some profiled steps draft nothing: the drafter's launch cost is then visible.
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
             else:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
-                self._plan = self.policy.plan(survival, self.cost_model, self.limits, max_width, validate=False, slack_ms=slack)
+                probes = self.probes.due(req_ids) if self.probes is not None else None
+                self._plan = self.policy.plan(
+                    survival, self.cost_model, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
+                )
+                if probes is not None:
+                    self.stats.probes += int(np.minimum(probes, max_width).sum())
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
@@ -212,6 +231,9 @@ class StepController:
     def holds_no_drafts(self) -> bool:
         """True when this step keeps the last plan's decision to draft nothing without planning (see the
         module docstring); never while profiling."""
+        return self._may_hold() and not self._probes_due
+
+    def _may_hold(self) -> bool:
         return self._drafted_nothing and self.profiling is None and self._held + 1 < self.config.replan_every
 
     def needs_drafter(self) -> bool:
@@ -247,5 +269,7 @@ class StepController:
 
     def finish(self, req_ids) -> None:
         self.tracker.forget(req_ids)
+        if self.probes is not None:
+            self.probes.forget(req_ids)
         for r in req_ids:
             self._paced_from.pop(r, None)

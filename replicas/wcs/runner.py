@@ -75,6 +75,7 @@ class WCSRunnerMixin:
     _wcs_step: StepSample | None = None
     _wcs_last: StepSample | None = None  # the last finished step that planned requests
     _wcs_fresh: bool = False
+    _wcs_holding: bool = False  # this step keeps the last plan's "no drafts" (decided before sampling)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         counts = scheduler_output.num_scheduled_tokens
@@ -132,7 +133,9 @@ class WCSRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         # The features need one row per request (its newest token), known only after sampling, which may
         # scale logits in place: keep a copy and summarise just those rows (a fraction of R + verified).
-        plans = self.wcs.needs_drafter() and not self.wcs.holds_no_drafts()
+        # Decided once for the step: `observe` (in propose) may make a probe due, which counts from the next step.
+        self._wcs_holding = self.wcs.holds_no_drafts()
+        plans = self.wcs.needs_drafter() and not self._wcs_holding
         self._wcs_logits = logits.clone() if logits is not None and plans else None
         return super()._sample(logits, spec_decode_metadata)
 
@@ -164,7 +167,7 @@ class WCSRunnerMixin:
             # No request ever drafts under this policy (`ar`): no features, no drafter, no context K/V.
             ctl.plan(req_ids, None, max_width, generated=generated)
             return self._wcs_no_drafts(req_ids, (time.perf_counter() - t0) * 1e3, 0.0, sample_hidden_states.device)
-        if ctl.holds_no_drafts():
+        if self._wcs_holding:
             draft = ctl.plan(req_ids, None, max_width, generated=generated)
         else:
             # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.

@@ -12,6 +12,7 @@ class WCSStats(BaseModel):
     steps: int = 0  # steps that planned at least one request
     planned_requests: int = 0  # request-steps planned (sum of batch sizes)
     held_steps: int = 0  # steps that kept the last plan's "no drafts" without planning (`replan_every`)
+    probes: int = 0  # draft slots forced for exploration (`explore_every`)
     drafted_per_pos: list[int] = Field(default_factory=list)  # requests that drafted position j
     verified_per_pos: list[int] = Field(default_factory=list)  # ... whose position j was verified
     accepted_per_pos: list[int] = Field(default_factory=list)  # ... whose first j drafts were accepted

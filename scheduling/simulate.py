@@ -36,6 +36,7 @@ class PolicyOutcome(BaseModel):
     mean_verify: float
     draft_waste: float  # drafted tokens never verified / drafted
     speedup_vs_ar: float = 1.0
+    regret_vs_oracle: float | None = None  # 1 - tokens_per_ms / the oracle's (when the oracle ran)
 
 
 def simulate(
@@ -80,17 +81,21 @@ def simulate(
             )
         )
     ar = next((r.tokens_per_ms for r in rows if r.policy == PolicyName.AR), None)
-    if ar:
-        for r in rows:
+    oracle = next((r.tokens_per_ms for r in rows if r.policy == PolicyName.ORACLE), None)
+    for r in rows:
+        if ar:
             r.speedup_vs_ar = r.tokens_per_ms / ar
+        if oracle:
+            r.regret_vs_oracle = 1.0 - r.tokens_per_ms / oracle
     return rows
 
 
 def format_outcomes(rows: list[PolicyOutcome]) -> str:
-    lines = [f"{'policy':>8} {'tok/ms':>8} {'vs ar':>6} {'tok/step':>9} {'draft':>6} {'verify':>7} {'waste':>6}"]
+    lines = [f"{'policy':>8} {'tok/ms':>8} {'vs ar':>6} {'regret':>7} {'tok/step':>9} {'draft':>6} {'verify':>7} {'waste':>6}"]
     for r in rows:
+        regret = f"{r.regret_vs_oracle:>7.1%}" if r.regret_vs_oracle is not None else f"{'-':>7}"
         lines.append(
-            f"{r.policy.value:>8} {r.tokens_per_ms:>8.2f} {r.speedup_vs_ar:>6.2f} {r.tokens_per_step:>9.2f} "
+            f"{r.policy.value:>8} {r.tokens_per_ms:>8.2f} {r.speedup_vs_ar:>6.2f} {regret} {r.tokens_per_step:>9.2f} "
             f"{r.mean_draft:>6.2f} {r.mean_verify:>7.2f} {r.draft_waste:>6.1%}"
         )
     return "\n".join(lines)

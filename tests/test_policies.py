@@ -90,3 +90,25 @@ def test_whole_blocks_wcs_drafts_every_full_block_or_nothing_whichever_pays(leve
     if level == 0.5:  # ragged widths are what the whole-block mode gives up
         assert set(ragged.draft.tolist()) - {0, 3, K} and ragged.tokens_per_ms > whole.tokens_per_ms
     assert (whole.draft.any()) == (level > 0.05)
+
+
+def test_trace_replay_reports_every_policys_regret_against_the_oracle():
+    from scheduling.simulate import simulate
+
+    rows = {r.policy: r for r in simulate(list(PolicyName), batch=16, steps=30, seed=3)}
+    assert rows[PolicyName.ORACLE].regret_vs_oracle == 0.0
+    assert all(r.regret_vs_oracle >= -1e-9 for r in rows.values())  # the oracle is never beaten
+    assert rows[PolicyName.AR].regret_vs_oracle > 0.5 and rows[PolicyName.WCS].regret_vs_oracle < rows[PolicyName.STATIC].regret_vs_oracle
+
+
+def test_engine_bench_reports_wcs_against_the_best_other_policy_per_concurrency():
+    from replicas.wcs.bench import EngineRun, wcs_vs_best
+
+    def row(policy, c, tps):
+        return EngineRun(policy=policy, concurrency=c, finished=1, output_tokens=1, seconds=1.0, tokens_per_s=tps,
+                         per_request_rate=1.0, mean_accepted_length=1.0, draft_waste=0.0, draft_share=0.0,
+                         planner_share=0.0, steps=1)
+
+    rows = [row("ar", 1, 100.0), row("static", 1, 120.0), row("wcs", 1, 114.0), row("ar", 64, 50.0), row("wcs", 64, 60.0),
+            row("ar", 128, 10.0)]
+    assert wcs_vs_best(rows) == pytest.approx({"1": 0.95, "64": 1.2, "128": None})

@@ -49,6 +49,18 @@ class EngineBench(BaseModel):
     ratios: dict[str, float | None]
     matched_rate: dict[str, float | None]  # the per-request rate each ratio is taken at
     rows: list[EngineRun]
+    # Per concurrency: wcs's throughput over the best other policy's in the same run (< 1 is regret).
+    wcs_vs_best: dict[str, float | None] = {}
+
+
+def wcs_vs_best(rows: list[EngineRun]) -> dict[str, float | None]:
+    """{concurrency: wcs tokens/s / the best of the other policies' tokens/s at that concurrency}."""
+    out: dict[str, float | None] = {}
+    for c in sorted({r.concurrency for r in rows}):
+        at = {r.policy: r.tokens_per_s for r in rows if r.concurrency == c}
+        others = [v for p, v in at.items() if p != "wcs"]
+        out[str(c)] = at["wcs"] / max(others) if "wcs" in at and others and max(others) > 0 else None
+    return out
 
 
 def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens: int | None, tag: str) -> dict:
@@ -165,7 +177,7 @@ def run_engine_bench(
     for base in ("dspark", "ar", "static"):
         if "wcs" in policies and base in policies:
             ratios[f"wcs_vs_{base}"], rates[f"wcs_vs_{base}"] = matched_ratio(rows, "wcs", base)
-    return EngineBench(ratios=ratios, matched_rate=rates, rows=rows)
+    return EngineBench(ratios=ratios, matched_rate=rates, rows=rows, wcs_vs_best=wcs_vs_best(rows))
 
 
 def median_run(runs: list[EngineRun]) -> EngineRun:
@@ -195,6 +207,9 @@ def format_rows(rows: list[EngineRun], header: bool = True) -> str:
 
 def format_engine_bench(result: EngineBench) -> str:
     lines = [format_rows(result.rows)]
+    best = ", ".join(f"c={c}: {v:.2f}" for c, v in result.wcs_vs_best.items() if v is not None)
+    if best:
+        lines.append(f"wcs over the best other policy per concurrency: {best}")
     for name, ratio in result.ratios.items():
         rate = result.matched_rate[name]
         lines.append(

@@ -95,3 +95,17 @@ def test_without_probes_or_recalibration_the_wrong_belief_is_never_corrected(con
     cannot move an estimator this sure of itself."""
     static = np.mean(run_trap(WCSConfig(), policy="static"))
     assert np.mean(run_trap(config)[48:]) < 0.2 * static
+
+
+def test_a_due_probe_ends_a_hold_and_drafts_one_token_for_that_request_only():
+    never_pays = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=100.0, per_target_ms=0.05)
+    ctl = StepController(WCSConfig(explore_every=4, replan_every=64, replan_max=64), K, ConstantEstimator(K, 0.5), cost=never_pays)
+    ids, zero = ["old", "new"], np.zeros(2, np.int64)
+    drafts = []
+    for n in range(6):
+        ctl.observe(ids if n else ids[:1], zero if n else zero[:1], zero if n else zero[:1])
+        batch = ids if n else ids[:1]
+        features = None if ctl.holds_no_drafts() else np.zeros((len(batch), 8))
+        drafts.append(ctl.plan(batch, features, np.full(len(batch), K)).tolist())
+    # "old" has gone 4 of its steps without a verdict at step 3 (its probe is planned at once), "new" only 3.
+    assert drafts[:3] == [[0], [0, 0], [0, 0]] and drafts[3] == [1, 0]

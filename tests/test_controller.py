@@ -15,9 +15,11 @@ CHEAP = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.1, per_draft_ms
 DEAR = CHEAP.model_copy(update={"draft_launch_ms": 1e4})  # drafting never pays
 
 
-def controller(cost: StepCostModel, replan_every: int) -> StepController:
+def controller(cost: StepCostModel, replan_every: int, replan_max: int | None = None) -> StepController:
     estimator = ConstantEstimator(K, prior=0.8, prior_weight=100.0)
-    return StepController(WCSConfig(replan_every=replan_every), K, estimator, cost=cost)
+    # No probes: this file tests the hold alone (probes end holds: tests/test_closed_loop.py).
+    config = WCSConfig(replan_every=replan_every, replan_max=replan_max or replan_every, explore_every=None)
+    return StepController(config, K, estimator, cost=cost)
 
 
 def step(ctl: StepController, batch: int = 3) -> np.ndarray:
@@ -29,6 +31,16 @@ def step(ctl: StepController, batch: int = 3) -> np.ndarray:
     if draft.any():
         ctl.verify(np.full((batch, K), 0.9))
     return draft
+
+
+def test_plans_without_drafts_in_a_row_double_the_hold_up_to_replan_max():
+    ctl = controller(DEAR, replan_every=2, replan_max=8)
+    planned = []
+    for _ in range(30):
+        planned.append(not ctl.holds_no_drafts())
+        assert not step(ctl).any()
+    starts = [n for n, p in enumerate(planned) if p]
+    assert starts == [0, 2, 6, 14, 22]  # holds of 2, 4, 8, 8 steps
 
 
 def test_a_plan_without_drafts_holds_for_the_next_steps():

@@ -403,3 +403,39 @@ def test_without_probes_and_recalibration_wcs_stays_trapped(trap_runs):
     static_steps, _ = trap_runs["static"]
     trapped, _ = trap_runs["wcs_open_loop"]
     assert np.mean(trapped[48:64]) < 0.2 * np.mean(static_steps)
+
+
+NEVER_PAYS = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=100.0, per_target_ms=0.05)
+
+
+def no_draft_step_ms(llm, policy: str, prompts: list[str], batch: int) -> list[float]:
+    from vllm import SamplingParams
+
+    llm.collective_rpc("wcs_set_policy", args=(policy,))
+    llm.collective_rpc("wcs_step_log", args=(True,))
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    steps = llm.collective_rpc("wcs_step_log", args=(False,))[0]
+    return [
+        s["runner_ms"] for s in steps
+        if s["requests"] == batch and not s["prefill"] and not s["drafted_tokens"] and not s["verified_tokens"]
+    ]
+
+
+def test_a_step_that_drafts_nothing_costs_what_an_ar_step_costs(llm):
+    """The autoregressive mode: where drafting never pays, wcs's draft-free steps (holds, drafter context kept
+    for a return) against `ar`'s at the same batch, interleaved, medians. The target is 1.05; the bound
+    leaves room for this shared machine's noise."""
+    llm.collective_rpc("wcs_set_cost_model", args=(NEVER_PAYS.model_dump_json(),))
+    try:
+        work = load_workloads()
+        prompts = [p.prompt for p in work["code"][:16]]
+        times = {"ar": [], "wcs": []}
+        for _ in range(3):
+            for policy in times:
+                times[policy] += no_draft_step_ms(llm, policy, prompts, 16)
+    finally:
+        llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+    assert len(times["wcs"]) > 100 and len(times["ar"]) > 100
+    ratio = np.median(times["wcs"]) / np.median(times["ar"])
+    print(f"draft-free wcs step / ar step: {ratio:.3f}")
+    assert ratio <= 1.10

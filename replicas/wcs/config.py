@@ -58,7 +58,13 @@ class WCSConfig(BaseModel):
     replan_every: int = Field(
         default=8,
         ge=1,
-        description="after a plan that chose to draft nothing, plan again only every this many steps (1: every step)",
+        description="after a plan that chose to draft nothing, plan again only every this many steps "
+        "(1, with replan_max 1: every step)",
+    )
+    replan_max: int = Field(
+        default=64,
+        ge=1,
+        description="each further plan in a row without drafts doubles that hold, up to this many steps",
     )
     explore_every: int | None = Field(
         default=16,

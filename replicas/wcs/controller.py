@@ -11,8 +11,12 @@ A plan that drafts nothing holds for the next `replan_every - 1` steps
 (`holds_no_drafts`): the runner then skips the features and the planner,
 which cost a step without drafts about a seventh of its time on CPU (measured
 in an engine at 12 requests: 0.5 ms of a 3.5 ms step), exactly the steps a
-loaded engine runs most. Drafting resumes at most `replan_every - 1` steps
-after it starts to pay.
+loaded engine runs most. Each further plan in a row that drafts nothing
+doubles the hold, up to `replan_max` steps, so an engine where drafting does
+not pay runs as `ar` does but for the drafter context it keeps for a return;
+a plan that drafts starts again from `replan_every`. Probes
+(`scheduling.exploration`) end a hold when they fall due, so a belief that
+drafting does not pay keeps being checked.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class StepController:
         self.stats = WCSStats(policy=self.policy.name.value, k=self.k)
         self._held = 0  # steps held without planning since the last plan
         self._drafted_nothing = False  # the last plan chose to draft nothing
+        self._hold = self.config.replan_every  # steps a plan without drafts is kept for (doubling in a row)
         self._ever_drafts = bool(self.policy.draft_bounds(np.full(1, self.k))[1].any())
 
     @property
@@ -193,6 +198,7 @@ class StepController:
             if self.recalibrator is not None:
                 survival = self.recalibrator.apply(survival)
             self._survival = survival
+            probes = None
             if self.profiling is not None:
                 # Some profiled steps draft nothing: the drafter's launch cost is then visible.
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
@@ -203,12 +209,17 @@ class StepController:
                     survival, self.cost_model, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
                 )
                 if probes is not None:
-                    self.stats.probes += int(np.minimum(probes, max_width).sum())
+                    probes = np.minimum(probes, max_width)
+                    self.stats.probes += int(probes.sum())
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
             # Only a plan that chose to draft nothing holds, not one where no request could draft (prefill).
-            self._held, self._drafted_nothing = 0, not np.any(draft) and bool(np.any(max_width))
+            # Drafting only the forced probes is still a choice to draft nothing: the hold goes on doubling.
+            chosen = draft if probes is None else np.asarray(draft) > probes
+            nothing = not np.any(chosen) and bool(np.any(max_width))
+            self._hold = min(2 * self._hold, self.config.replan_max) if nothing and self._drafted_nothing else self.config.replan_every
+            self._held, self._drafted_nothing = 0, nothing
         self._draft = np.asarray(draft, dtype=np.int64)
         self.stats.steps += 1
         self.stats.planned_requests += len(req_ids)
@@ -234,7 +245,7 @@ class StepController:
         return self._may_hold() and not self._probes_due
 
     def _may_hold(self) -> bool:
-        return self._drafted_nothing and self.profiling is None and self._held + 1 < self.config.replan_every
+        return self._drafted_nothing and self.profiling is None and self._held + 1 < self._hold
 
     def needs_drafter(self) -> bool:
         """False when no request ever drafts under this policy (`ar`): the drafter need not run at all,

@@ -85,9 +85,11 @@ class AcceptanceTracker:
 
     def verdicts(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> Verdicts | None:
         """Rows for the requests whose last draft was verified now (None if none were)."""
+        has = verified > 0
+        if not has.any():  # most steps of a loaded engine: nothing to learn from
+            return None
         rows = [n for n, r in enumerate(req_ids) if verified[n] > 0 and r in self._pending]
         ids = np.array([self.number(r) for r in req_ids], dtype=np.int64)
-        has = verified > 0
         self._history.observe(ids[has], verified[has], accepted[has])
         if not rows:
             return None

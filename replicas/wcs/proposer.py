@@ -49,7 +49,6 @@ class _Deferred:
 @dataclasses.dataclass
 class _Deferral:
     steps: list[_Deferred] = dataclasses.field(default_factory=list)
-    waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # draft-free steps since the last flush
     lost: set[str] = dataclasses.field(default_factory=set)  # live requests without drafter context
     owners: dict[str, int] = dataclasses.field(default_factory=dict)  # request -> number of its current run
     dead: set[int] = dataclasses.field(default_factory=set)  # runs dropped since the last flush
@@ -95,10 +94,7 @@ class RaggedDFlashProposer(DFlashProposer):
         n = int(query_start_loc[-1])
         owners = np.repeat(np.array([d.owner(r) for r in req_ids], dtype=np.int64), np.diff(query_start_loc[: len(req_ids) + 1]))
         d.steps.append(_Deferred(hidden[:n].clone(), positions[:n].clone(), slots[:n].clone(), owners))
-        for r in req_ids:
-            d.waiting[r] = d.waiting.get(r, 0) + 1
-            if d.waiting[r] > MAX_DEFERRED_STEPS:
-                d.lost.add(r)
+        # Every step since the last flush is kept, so a request waits no longer than the oldest kept step.
         if len(d.steps) > MAX_DEFERRED_STEPS:
             # Whoever still owns tokens in the oldest step loses them, and with them its context.
             oldest = set(d.steps.pop(0).owners.tolist())
@@ -112,7 +108,6 @@ class RaggedDFlashProposer(DFlashProposer):
             owner = d.owners.pop(r, None)
             if owner is not None:
                 d.dead.add(owner)
-            d.waiting.pop(r, None)
             d.lost.discard(r)
 
     def flush_context(self) -> None:
@@ -133,7 +128,6 @@ class RaggedDFlashProposer(DFlashProposer):
         hidden = self.model.combine_hidden_states(torch.cat([s.hidden for s in d.steps])[rows])
         self.model.precompute_and_store_context_kv(hidden, torch.cat([s.positions for s in d.steps])[rows], slots[rows])
         d.steps.clear()
-        d.waiting.clear()
         d.dead.clear()
 
     def set_inputs_first_pass(self, *args, **kwargs) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:

@@ -7,10 +7,6 @@ then served: greedy outputs equal `ar`, drafts are verified, and sampled outputs
 distribution, with the planted lossy verifier caught on the same engine as the negative control.
 """
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -19,18 +15,19 @@ import pytest
 from replicas.engine import DrafterConfig, EngineConfig, cpu_engine_environment, model_runner
 from replicas.models.build import WEIGHTS_DIR
 from replicas.models.dflash import drafter_variant
-from replicas.models.workloads import load_workloads
 from replicas.wcs.calibration import TRUNCATION_TOLERANCE
 from replicas.wcs.config import WCSConfig
 from tests.test_calibrate import run_calibrate
+from tests.test_serve_cli import forespark_serve
 from tests.test_wcs_engine import (
     ALPHA,
     DRAFTING_PAYS,
     POLICIES,
     VERIFYING_IS_CHEAP,
+    assert_greedy_identical_and_verified,
+    greedy_policy_runs,
     homogeneity_pvalue,
     plant_lossy_verifier,
-    run,
     sampled_continuations,
 )
 
@@ -75,19 +72,12 @@ def test_the_engine_drafts_with_a_non_causal_block(llm):
 
 @pytest.fixture(scope="module")
 def greedy_runs(llm):
-    from vllm import SamplingParams
-
-    work = load_workloads()
-    prompts = [p.prompt for d in work for p in work[d][:6]]
-    params = SamplingParams(temperature=0.0, max_tokens=48)
-    return {policy: run(llm, policy, prompts, params) for policy in POLICIES}
+    return greedy_policy_runs(llm)
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:])
 def test_greedy_outputs_equal_ar_and_drafts_are_verified(greedy_runs, policy):
-    tokens, st = greedy_runs[policy]
-    assert tokens == greedy_runs["ar"][0]
-    assert st.verified > 0 and st.accepted > 0
+    assert_greedy_identical_and_verified(greedy_runs, policy)
 
 
 def test_wcs_drafts_ragged_widths_with_the_non_causal_drafter(greedy_runs):
@@ -121,25 +111,10 @@ def test_forespark_serve_serves_the_non_causal_pair_and_verifies_its_drafts(cali
         "replica:\n  num_replicas: 1\n  num_cpus: 1\n  stats_period_s: 0.5\n  engine:\n"
         f"    drafter:\n      path: {drafter}\n    wcs:\n      policy: static\n      calibration: {folder}\n"
     )
-    port = 8767
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}, "PYTHONPATH": os.getcwd()},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline, r = time.time() + 600, None
-        while time.time() < deadline:
-            try:
-                r = httpx.post(f"{url}/v1/completions", json={"model": "forespark", "prompt": "def f(x):", "max_tokens": 24, "temperature": 0}, timeout=60)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(2)
-        assert r is not None and r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    url = "http://127.0.0.1:8767"
+    first = {"model": "forespark", "prompt": "def f(x):", "max_tokens": 24, "temperature": 0}
+    with forespark_serve(config, 8767, first) as (proc, r):
+        assert r.json()["usage"]["completion_tokens"] == 24
         verified = 0.0
         for _ in range(30):  # the replica posts its counters every stats period
             text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -148,7 +123,4 @@ def test_forespark_serve_serves_the_non_causal_pair_and_verifies_its_drafts(cali
                 break
             time.sleep(1)
         assert verified > 0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]

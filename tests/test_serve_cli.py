@@ -1,41 +1,51 @@
 """`forespark serve` end to end: its own local Ray, a config file, a real completion over HTTP, SIGTERM."""
 
 
-def test_forespark_serve_starts_serves_and_stops_on_sigterm(tmp_path):
-    """The CLI end to end: its own Ray, one replica, a completion, SIGTERM, clean exit."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 
-    import httpx
+import httpx
 
-    config = tmp_path / "serve.yaml"
-    config.write_text("replica:\n  num_replicas: 1\n  num_cpus: 1\n  served_model_name: embedded\n")
+
+@contextmanager
+def forespark_serve(config, port: int, first_request: dict):
+    """`forespark serve --config` as a user runs it, until `first_request` (a completions body) is answered 200.
+
+    Yields (process, that response); SIGTERM on exit. The process's output is `process.output` afterwards."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", "8766"],
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}, "PYTHONPATH": os.getcwd()},
     )
     try:
-        deadline = time.time() + 600
+        deadline, r = time.time() + 600, None
         while time.time() < deadline:
             try:
-                r = httpx.post(
-                    "http://127.0.0.1:8766/v1/completions",
-                    json={"model": "embedded", "prompt": "def f():", "max_tokens": 4}, timeout=60,
-                )
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=first_request, timeout=60)
                 if r.status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(2)
-        assert r.json()["usage"]["completion_tokens"] == 4
+        assert r is not None and r.status_code == 200, r
+        yield proc, r
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        proc.output, _ = proc.communicate(timeout=120)
+
+
+def test_forespark_serve_starts_serves_and_stops_on_sigterm(tmp_path):
+    """The CLI end to end: its own Ray, one replica, a completion, SIGTERM, clean exit."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("replica:\n  num_replicas: 1\n  num_cpus: 1\n  served_model_name: embedded\n")
+    with forespark_serve(config, 8766, {"model": "embedded", "prompt": "def f():", "max_tokens": 4}) as (proc, r):
+        assert r.json()["usage"]["completion_tokens"] == 4
+    out = proc.output
     assert proc.returncode == 0, out[-3000:]
     assert "serving the OpenAI API at http://127.0.0.1:8766/v1" in out and "stopping" in out
     # The CLI set Serve's throughput mode itself (cluster/serve_env.py): Serve's controller logs what it applied.

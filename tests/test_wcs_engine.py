@@ -67,8 +67,8 @@ def test_documented_engine_kwargs_load_the_plugin(llm):
         llm.collective_rpc("wcs_set_policy", args=("oracle",))
 
 
-@pytest.fixture(scope="module")
-def greedy_runs(llm):
+def greedy_policy_runs(llm) -> dict[str, tuple[list, WCSStats]]:
+    """Every policy's greedy outputs and stats on the same prompts (what each engine test compares to `ar`)."""
     from vllm import SamplingParams
 
     work = load_workloads()
@@ -77,11 +77,20 @@ def greedy_runs(llm):
     return {policy: run(llm, policy, prompts, params) for policy in POLICIES}
 
 
-@pytest.mark.parametrize("policy", POLICIES[1:])
-def test_greedy_outputs_are_token_identical_to_ar(greedy_runs, policy):
+def assert_greedy_identical_and_verified(greedy_runs, policy: str) -> None:
     tokens, st = greedy_runs[policy]
     assert tokens == greedy_runs["ar"][0]
     assert st.verified > 0 and st.accepted > 0  # speculation really ran and drafts were accepted
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(llm):
+    return greedy_policy_runs(llm)
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_greedy_outputs_are_token_identical_to_ar(greedy_runs, policy):
+    assert_greedy_identical_and_verified(greedy_runs, policy)
 
 
 def test_policies_differ_only_in_widths_and_verify_lengths(greedy_runs):

@@ -356,6 +356,22 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    if args.config:
+        try:
+            import yaml
+
+            from cluster.app import AppConfig
+
+            AppConfig.model_validate(yaml.safe_load(Path(args.config).read_text()) or {})  # before any server starts
+        except (ValueError, OSError) as e:
+            print(f"forespark bench serve: {e}", file=sys.stderr)
+            return 2
+    from loadtest.bench_serve import bench_serve_command
+
+    return bench_serve_command(args)
+
+
 def cmd_models_bench(args: argparse.Namespace) -> int:
     from replicas.models.bench import format_models_bench, run_models_bench
 
@@ -525,6 +541,24 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--reps", type=int, default=3, help="interleaved runs per (policy, concurrency); rows are medians")
     engine.add_argument("--max-tokens", type=int, default=None, help="cap output tokens (default: the workload's)")
     engine.set_defaults(func=cmd_bench_engine)
+    bserve = bench_sub.add_parser("serve", help="tokens/s of each policy served: its own `forespark serve` each, greedy, closed loop")
+    bserve.add_argument("--policies", type=_policy_list, default=("wcs", "ar", "static"), help="comma-separated policies")
+    bserve.add_argument("--prompts", type=lambda t: tuple(v.strip() for v in t.split(",")), default=("code", "fib"),
+                        help="comma-separated prompt sets: code, prose (the shipped workloads), fib (def fibonacci(n):), repetitive")
+    bserve.add_argument("--concurrency", type=int, default=1, help="requests in flight (closed loop)")
+    bserve.add_argument("--requests", type=int, default=8, help="requests per prompt set")
+    bserve.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos: every request makes all)")
+    bserve.add_argument("--repeats", type=int, default=1, help="policy rotations (reversed every other one); rows are medians")
+    bserve.add_argument("--warmup", type=int, default=2, help="requests per prompt set after each server start, not counted")
+    bserve.add_argument("--protocol", choices=("interleaved", "sequential"), default=None,
+                        help="interleaved: every server up once, paused while the others run (default on CPU with --repeats > 1); "
+                             "sequential: a fresh server per policy and repeat (default otherwise)")
+    bserve.add_argument("--config", metavar="PATH", help="base application config (AppConfig YAML); the policy is set per server")
+    bserve.add_argument("--port", type=int, default=8200, help="the first server's port (servers up at once take the next ones)")
+    bserve.add_argument("--api-key", default=None)
+    bserve.add_argument("--out", default="results/bench-serve", help="server logs and configs (default results/bench-serve)")
+    bserve.add_argument("--json", metavar="PATH", help="write {rows, ratios} here (default OUT/bench_serve.json)")
+    bserve.set_defaults(func=cmd_bench_serve)
 
     cal = sub.add_parser(
         "calibrate", help="calibrate WCS for a model pair: acceptance traces, estimator fit and quality, step-cost profile"

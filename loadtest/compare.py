@@ -192,15 +192,34 @@ class ServerProcess:
         raise RuntimeError(f"the server was not ready within {self.start_timeout_s:.0f} s; see {self.log_path}")
 
     def __exit__(self, *exc) -> None:
+        was_paused = bool(self._paused)
         self.resume()  # a stopped process would not act on SIGTERM
         if self.proc is not None and self.proc.poll() is None:
+            if was_paused:
+                # A just-continued driver's main thread still has SIGCONT pending, so the kernel hands a SIGTERM sent
+                # now to another thread, and Python runs its handler only once the main thread (waiting on an
+                # event) wakes: the stop would wait for the SIGKILL below. Measured: SIGTERM right after the resume
+                # went unhandled for 40 s; 2 s after it, the server stopped at once.
+                time.sleep(2.0)
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=120)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                # Still up and its handler has not run (`forespark serve` prints "stopping" when it does): once more.
+                if not self._log_says_stopping():
+                    self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=110)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
         self._log.close()
+
+    def _log_says_stopping(self) -> bool:
+        try:
+            return "\nstopping\n" in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
 
 
 def ratio(variants: dict[str, VariantResult], a: str, b: str, field: str = "max_rate") -> float | None:

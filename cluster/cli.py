@@ -121,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"metrics at /metrics; Ctrl-C stops",
             flush=True,
         )
-        stop.wait()
+        while not stop.wait(1.0):  # a timed wait: a signal that reaches another thread is still seen
+            pass
         print("stopping", flush=True)
     finally:
         if own_ray:

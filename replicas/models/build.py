@@ -186,8 +186,10 @@ def estimate_seconds(spec: BuildSpec, eos_id: int, mask_id: int, repeats: int = 
                 fn()
             return (time.perf_counter() - t0) / times
 
+        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.bf16_autocast)  # noqa: E731
+
         def target_step():
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast():
                 target(input_ids=batch, labels=batch).loss.backward()
             target.zero_grad(set_to_none=True)
 
@@ -197,11 +199,12 @@ def estimate_seconds(spec: BuildSpec, eos_id: int, mask_id: int, repeats: int = 
         def drafter_step():
             from replicas.models.distill import distill_loss
 
-            logits, aux = target_features(target, seqs, spec.drafter.target_layer_ids)
-            anchors = torch.randint(t.distill_prompt_len - 1, length - spec.drafter.block - 1, (t.drafter_batch, t.drafter_anchors))
-            with torch.enable_grad():
-                distill_loss(drafter, seqs, logits, aux, anchors, target.get_input_embeddings().weight.detach(),
-                             spec.drafter, mask_id, t.kl_weight).backward()
+            with autocast():
+                logits, aux = target_features(target, seqs, spec.drafter.target_layer_ids)
+                anchors = torch.randint(t.distill_prompt_len - 1, length - spec.drafter.block - 1, (t.drafter_batch, t.drafter_anchors))
+                with torch.enable_grad():
+                    distill_loss(drafter, seqs, logits.float(), aux, anchors, target.get_input_embeddings().weight.detach(),
+                                 spec.drafter, mask_id, t.kl_weight).backward()
             drafter.zero_grad(set_to_none=True)
 
         prompts = torch.randint(0, v, (min(t.distill_gen_batch, t.distill_prompts), t.distill_prompt_len))

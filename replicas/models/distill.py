@@ -128,10 +128,13 @@ class DrafterTrainer:
         spec, train = self.spec, self.train
         rows = torch.from_numpy(self.rng.integers(0, len(self.sequences), train.drafter_batch))
         seqs = self.sequences[rows]
-        with torch.no_grad():
-            teacher_logits, aux = target_features(self.target, seqs, spec.target_layer_ids)
-        anchors = torch.from_numpy(self.rng.integers(self.lo, self.hi + 1, (train.drafter_batch, train.drafter_anchors)))
-        loss = distill_loss(self.drafter, seqs, teacher_logits, aux, anchors, self.embed, spec, self.mask_token_id, train.kl_weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
+            with torch.no_grad():
+                teacher_logits, aux = target_features(self.target, seqs, spec.target_layer_ids)
+            anchors = torch.from_numpy(self.rng.integers(self.lo, self.hi + 1, (train.drafter_batch, train.drafter_anchors)))
+            loss = distill_loss(
+                self.drafter, seqs, teacher_logits.float(), aux, anchors, self.embed, spec, self.mask_token_id, train.kl_weight
+            )
         self.losses.append(self.opt.step(loss))
         self.step += 1
         return self.losses[-1]
@@ -170,7 +173,7 @@ def distill_loss(
     teacher = torch.gather(
         teacher_logits, 1, (label_pos - 1).flatten(1)[..., None].expand(-1, -1, teacher_logits.shape[-1])
     ).view_as(logits)
-    log_q = F.log_softmax(logits, dim=-1)
+    log_q = F.log_softmax(logits.float(), dim=-1)
     ce = F.nll_loss(log_q.flatten(0, 2), labels.flatten())
     kl = F.kl_div(log_q, F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean") / (
         anchors.shape[1] * spec.block

@@ -85,6 +85,9 @@ class TrainSpec(BaseModel):
     )
     distill_temperature: float = Field(default=1.0, gt=0.0, description="temperature of the sampled continuations")
     distill_gen_batch: int = Field(default=64, ge=1, description="prompts continued per generate() call")
+    bf16_autocast: bool = Field(
+        default=False, description="train (not evaluate) under CPU bfloat16 autocast: ~2x faster where the CPU has AVX512-BF16"
+    )
     eval_every: int = Field(default=0, ge=0, description="held-out perplexity every this many target steps (0: never)")
     eval_windows: int = Field(default=16, ge=1, description="held-out windows per domain of the periodic evaluation")
 

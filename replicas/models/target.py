@@ -88,7 +88,9 @@ class TargetTrainer:
     def run_step(self) -> float:
         t = self.train
         batch = torch.from_numpy(self.streams.mixed_windows(t.seq_len, t.target_batch, t.code_share, self.rng))
-        loss = self.opt.step(self.model(input_ids=batch, labels=batch).loss)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.bf16_autocast):
+            loss = self.model(input_ids=batch, labels=batch).loss
+        loss = self.opt.step(loss)
         self.losses.append(loss)
         self.step += 1
         return loss

@@ -376,3 +376,23 @@ def test_resume_refuses_another_spec(tmp_path, monkeypatch):
     other.train.kl_weight = 2.0
     with pytest.raises(ValueError, match="train.kl_weight"):
         build_mod.build(tmp_path / "o", other, checkpoint_dir=cdir, resume=True, log=lambda _m: None)
+
+
+def test_sigterm_saves_the_state_and_stops(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def send_sigterm_at_step_2(phase, step):
+        if (phase, step) == ("target", 2):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
+    cdir = tmp_path / "ckpt"
+    with pytest.raises(build_mod.Interrupted, match="target step 3"):
+        build_mod.build(tmp_path / "o", tiny_spec(), checkpoint_dir=cdir, log=lambda _m: None, stop_after=send_sigterm_at_step_2)
+    state = ckpt.load(cdir / ckpt.STATE_FILE)
+    assert state["phase"] == "target" and state["target"]["step"] == 3
+    assert signal.getsignal(signal.SIGTERM) == before  # the build's handler is gone again

@@ -11,6 +11,7 @@
     forespark manifests check [PATH...]  validate the ray up, Serve and KubeRay manifests offline
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
+    forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
     forespark models workloads           rewrite the shipped workload prompts from held-out text
@@ -399,6 +400,16 @@ def cmd_models_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_progress(args: argparse.Namespace) -> int:
+    from replicas.models.progress import format_progress
+    from replicas.models.spec import load_spec
+
+    path = Path(args.path)
+    path = path / "progress.jsonl" if path.is_dir() else path
+    print(format_progress(path, load_spec(args.spec).train.target_steps if args.spec else None))
+    return 0
+
+
 def cmd_bench_router(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -568,6 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     mckpt.add_argument("path", help="a checkpoint file, or a checkpoint folder (its state.pt)")
     mckpt.add_argument("--compact", metavar="FILE", help="write the compact form here (<= 40 MiB for the next spec)")
     mckpt.set_defaults(func=cmd_models_checkpoint)
+    mprog = models_sub.add_parser("progress", help="a build's held-out curve and when it would reach the perplexity targets")
+    mprog.add_argument("path", help="a checkpoint folder (its progress.jsonl) or a progress.jsonl")
+    mprog.add_argument("--spec", default=None, help="the build's spec, to compare with its step count")
+    mprog.set_defaults(func=cmd_models_progress)
     mbench = models_sub.add_parser("bench", help="acceptance per domain and draft width through vLLM")
     mbench.add_argument("--json", metavar="PATH", help="write results here")
     mbench.add_argument("--widths", type=_int_list, default=None, help="comma-separated widths (default 1..block)")

@@ -396,3 +396,25 @@ def test_sigterm_saves_the_state_and_stops(tmp_path, monkeypatch):
     state = ckpt.load(cdir / ckpt.STATE_FILE)
     assert state["phase"] == "target" and state["target"]["step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before  # the build's handler is gone again
+
+
+def test_progress_fit_finds_where_a_known_curve_reaches_the_target(tmp_path):
+    import json
+    import math
+
+    from replicas.models.progress import fit_domain, format_progress
+
+    # log ppl = 2.0 + 40 * s^-0.5: perplexity 12 (log 2.4849) at s = (40 / 0.4849)^2 = 6805
+    path = tmp_path / "progress.jsonl"
+    with path.open("w") as f:
+        for step in range(250, 3001, 250):
+            ppl = math.exp(2.0 + 40 * step**-0.5)
+            f.write(json.dumps({"phase": "target", "step": step, "loss": 1.0, "seconds": step * 3.0}) + "\n")
+            f.write(json.dumps({"phase": "target", "step": step, "eval": {"code": {"perplexity": ppl}, "prose": {"perplexity": 2 * ppl}}}) + "\n")
+    from replicas.models.progress import read_progress
+
+    fit = fit_domain(read_progress(path)[1], "code", 12.0)
+    assert fit.step_at_target == pytest.approx(6805, rel=0.03) and fit.alpha == pytest.approx(0.5, abs=0.02)
+    prose = fit_domain(read_progress(path)[1], "prose", 12.0)  # floor 2 x e^2 = 14.8 > 12: never
+    assert prose.step_at_target is None and "levels off" in prose.note
+    assert "about" in format_progress(path)

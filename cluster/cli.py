@@ -406,7 +406,7 @@ def cmd_models_progress(args: argparse.Namespace) -> int:
 
     path = Path(args.path)
     path = path / "progress.jsonl" if path.is_dir() else path
-    print(format_progress(path, load_spec(args.spec).train.target_steps if args.spec else None))
+    print(format_progress(path, load_spec(args.spec).train.target_steps if args.spec else None, min_step=args.min_step))
     return 0
 
 
@@ -582,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     mprog = models_sub.add_parser("progress", help="a build's held-out curve and when it would reach the perplexity targets")
     mprog.add_argument("path", help="a checkpoint folder (its progress.jsonl) or a progress.jsonl")
     mprog.add_argument("--spec", default=None, help="the build's spec, to compare with its step count")
+    mprog.add_argument("--min-step", type=int, default=500, help="fit the evaluations from this step on (warm-up is not on the curve)")
     mprog.set_defaults(func=cmd_models_progress)
     mbench = models_sub.add_parser("bench", help="acceptance per domain and draft width through vLLM")
     mbench.add_argument("--json", metavar="PATH", help="write results here")

@@ -410,6 +410,7 @@ def test_progress_fit_finds_where_a_known_curve_reaches_the_target(tmp_path):
         for step in range(250, 3001, 250):
             ppl = math.exp(2.0 + 40 * step**-0.5)
             f.write(json.dumps({"phase": "target", "step": step, "loss": 1.0, "seconds": step * 3.0}) + "\n")
+            f.write(json.dumps({"event": "checkpoint", "phase": "target"}) + "\n")
             f.write(json.dumps({"phase": "target", "step": step, "eval": {"code": {"perplexity": ppl}, "prose": {"perplexity": 2 * ppl}}}) + "\n")
     from replicas.models.progress import read_progress
 
@@ -417,4 +418,5 @@ def test_progress_fit_finds_where_a_known_curve_reaches_the_target(tmp_path):
     assert fit.step_at_target == pytest.approx(6805, rel=0.03) and fit.alpha == pytest.approx(0.5, abs=0.02)
     prose = fit_domain(read_progress(path)[1], "prose", 12.0)  # floor 2 x e^2 = 14.8 > 12: never
     assert prose.step_at_target is None and "levels off" in prose.note
-    assert "about" in format_progress(path)
+    code_line = next(line for line in format_progress(path).splitlines() if line.startswith("code:"))
+    assert "about 3.2 h from now at 3.00 s/step" in code_line  # (6805 - 3000) steps x 3 s

@@ -37,7 +37,7 @@ def read_progress(path: Path) -> tuple[list[dict], list[dict]]:
     losses, evals = [], []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        if rec.get("phase") != "target":
+        if rec.get("phase") != "target" or "step" not in rec:  # checkpoint events carry no step
             continue
         (evals if "eval" in rec else losses).append(rec)
     return losses, evals
@@ -75,16 +75,16 @@ def fit_domain(evals: list[dict], domain: str, target: float, min_step: int = 50
     return out
 
 
-def format_progress(path: Path, steps_total: int | None = None) -> str:
+def format_progress(path: Path, steps_total: int | None = None, min_step: int = 500) -> str:
     losses, evals = read_progress(path)
     lines = []
     if not evals:
         return f"{path}: no held-out evaluation yet ({len(losses)} loss records)"
-    sec_per_step = None
-    if len(losses) >= 2:
-        a, b = losses[max(0, len(losses) - 40)], losses[-1]
-        if b["step"] > a["step"]:
-            sec_per_step = (b["seconds"] - a["seconds"]) / (b["step"] - a["step"])
+    sec_per_step = None  # median over recent intervals: a paused or resumed run has outliers
+    recent = losses[-41:]
+    rates = [(b["seconds"] - a["seconds"]) / (b["step"] - a["step"]) for a, b in zip(recent, recent[1:]) if b["step"] > a["step"]]
+    if rates:
+        sec_per_step = float(np.median(rates))
     lines.append("step   " + "  ".join(f"{d:>6} ppl  bits/char" for d in evals[-1]["eval"]))
     for r in evals:
         lines.append(f"{r['step']:>6} " + "  ".join(
@@ -94,7 +94,7 @@ def format_progress(path: Path, steps_total: int | None = None) -> str:
     for domain, target in TARGETS.items():
         if domain not in evals[-1]["eval"]:
             continue
-        fit = fit_domain(evals, domain, target)
+        fit = fit_domain(evals, domain, target, min_step=min_step)
         if fit.step_at_target is None:
             lines.append(f"{domain}: target perplexity {target:g}: {fit.note}"
                          + (f" (fitted floor {fit.floor_perplexity:.1f}, alpha {fit.alpha:.2f})" if fit.alpha else ""))

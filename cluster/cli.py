@@ -10,7 +10,9 @@
     forespark capacity --url U           highest request rate meeting the SLOs (doubling, then bisection)
     forespark compare                    capacity per policy / router, each on its own application, probes in turns
     forespark manifests check [PATH...]  validate the ray up, Serve and KubeRay manifests offline
-    forespark models build [--check]     train the embedded target + drafter from the standard library
+    forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
+    forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
+    forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
     forespark models workloads           rewrite the shipped workload prompts from held-out text
@@ -303,18 +305,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_threads(threads: int | None) -> None:
+    """One build thread count for torch, OpenMP/MKL and the tokenizer (set before they start their pools)."""
+    if threads is None:
+        return
+    import os
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false" if threads == 1 else "true"
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def cmd_models_build(args: argparse.Namespace) -> int:
     import tempfile
 
-    from replicas.models.build import WEIGHTS_DIR, BuildReport, build, compare_reports
+    _set_threads(args.threads)
+    from replicas.models.build import WEIGHTS_DIR, BuildReport, Interrupted, build, compare_reports
+    from replicas.models.spec import load_spec
 
+    spec = load_spec(args.spec)
+    out = Path(args.out) if args.out else (WEIGHTS_DIR if args.spec == "shipped" else WEIGHTS_DIR.parent / f"weights-{Path(args.spec).stem}")
+    checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.resume and checkpoint_dir is None:
+        print("--resume needs --checkpoint-dir", file=sys.stderr)
+        return 2
     if not args.check:
-        report = build(Path(args.out), reuse_target=args.reuse_target)
-        print(report.model_dump_json(indent=2))
+        print(f"building spec {args.spec!r} into {out}" + (f", checkpoints in {checkpoint_dir} every {args.checkpoint_minutes:g} min" if checkpoint_dir else ""), flush=True)
+        try:
+            report = build(
+                out, spec, reuse_target=args.reuse_target, checkpoint_dir=checkpoint_dir,
+                checkpoint_minutes=args.checkpoint_minutes, resume=args.resume, resume_from=args.resume_from,
+                estimate_only=args.estimate, log=lambda msg: print(msg, flush=True),
+            )
+        except Interrupted as e:
+            print(f"interrupted: {e}; continue with the same command and --resume", file=sys.stderr)
+            return 130
+        if report is not None:
+            print(report.model_dump_json(indent=2))
         return 0
-    reference = BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text())
+    reference = BuildReport.model_validate_json((out / "build_report.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        rebuilt = build(Path(tmp), reference.spec)
+        rebuilt = build(Path(tmp), reference.spec, log=lambda msg: print(msg, flush=True))
     problems = compare_reports(reference, rebuilt)
     for domain, q in rebuilt.domains.items():
         ref = reference.domains[domain]
@@ -326,6 +360,42 @@ def cmd_models_build(args: argparse.Namespace) -> int:
         print(f"MISMATCH {p}", file=sys.stderr)
     print("rebuild matches the shipped models" if not problems else "rebuild differs from the shipped models")
     return 0 if not problems else 1
+
+
+def cmd_models_checkpoint(args: argparse.Namespace) -> int:
+    """Describe a build checkpoint, or write its compact (committable) form."""
+    from replicas.models import checkpoint as ckpt
+
+    src = Path(args.path)
+    if src.is_dir():
+        src = src / ckpt.STATE_FILE
+    import torch
+
+    raw = torch.load(src, map_location="cpu", weights_only=False)
+    where = raw["phase"]
+    for part in ("target", "drafter"):
+        if raw["phase"] == part and isinstance(raw.get(part), dict) and "step" in raw[part]:
+            where += f" step {raw[part]['step']}"
+    print(f"{src}: {raw.get('kind')} checkpoint at {where}, {src.stat().st_size / 2**20:.1f} MiB, "
+          f"seconds {', '.join(f'{k} {v:.0f}' for k, v in raw['seconds'].items())}")
+    if args.compact:
+        small = ckpt.compact(raw)
+        ckpt.save(small, Path(args.compact))
+        size = Path(args.compact).stat().st_size
+        print(f"wrote {args.compact}: {size / 2**20:.1f} MiB (float16 weights, 8-bit log second moments, no first moments)")
+        if size > 40 * 2**20:
+            print("warning: over 40 MiB", file=sys.stderr)
+    return 0
+
+
+def cmd_models_progress(args: argparse.Namespace) -> int:
+    from replicas.models.progress import format_progress
+    from replicas.models.spec import load_spec
+
+    path = Path(args.path)
+    path = path / "progress.jsonl" if path.is_dir() else path
+    print(format_progress(path, load_spec(args.spec).train.target_steps if args.spec else None, min_step=args.min_step))
+    return 0
 
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
@@ -577,11 +647,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="the embedded target and drafter")
     models_sub = models.add_subparsers(dest="models", required=True)
-    mbuild = models_sub.add_parser("build", help="train tokenizer, target and drafter (about 15 minutes on 2 cores)")
-    mbuild.add_argument("--out", default="replicas/models/weights", help="output folder")
-    mbuild.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare with the shipped report")
+    mbuild = models_sub.add_parser(
+        "build", help="train tokenizer, target and drafter (shipped spec: about 15 minutes on 2 cores; prints its estimate)"
+    )
+    mbuild.add_argument("--spec", default="shipped", help="build spec: 'shipped' (replicas/models/weights), a name under replicas/models/specs/, or a JSON file")
+    mbuild.add_argument("--out", default=None, help="output folder (default: replicas/models/weights for the shipped spec, else replicas/models/weights-<spec>)")
+    mbuild.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare with the report in --out")
     mbuild.add_argument("--reuse-target", action="store_true", help="retrain only the drafter against the target in --out")
+    mbuild.add_argument("--checkpoint-dir", default=None, help="save the build state here (resumable; git-ignored /checkpoints/ is meant for it)")
+    mbuild.add_argument("--checkpoint-minutes", type=float, default=10.0, help="minutes between checkpoints (and at every phase end)")
+    mbuild.add_argument("--resume", action="store_true", help="continue from the state in --checkpoint-dir (if there is one)")
+    mbuild.add_argument("--resume-from", default=None, metavar="FILE", help="continue from this checkpoint file (full or compact)")
+    mbuild.add_argument("--threads", type=int, default=None, help="torch/OpenMP/tokenizer threads (default: torch's)")
+    mbuild.add_argument("--estimate", action="store_true", help="print how long the build would take, then stop")
     mbuild.set_defaults(func=cmd_models_build)
+    mckpt = models_sub.add_parser("checkpoint", help="describe a build checkpoint; --compact writes the small committable form")
+    mckpt.add_argument("path", help="a checkpoint file, or a checkpoint folder (its state.pt)")
+    mckpt.add_argument("--compact", metavar="FILE", help="write the compact form here (<= 40 MiB for the next spec)")
+    mckpt.set_defaults(func=cmd_models_checkpoint)
+    mprog = models_sub.add_parser("progress", help="a build's held-out curve and when it would reach the perplexity targets")
+    mprog.add_argument("path", help="a checkpoint folder (its progress.jsonl) or a progress.jsonl")
+    mprog.add_argument("--spec", default=None, help="the build's spec, to compare with its step count")
+    mprog.add_argument("--min-step", type=int, default=500, help="fit the evaluations from this step on (warm-up is not on the curve)")
+    mprog.set_defaults(func=cmd_models_progress)
     mbench = models_sub.add_parser("bench", help="acceptance per domain and draft width through vLLM")
     mbench.add_argument("--json", metavar="PATH", help="write results here")
     mbench.add_argument("--widths", type=_int_list, default=None, help="comma-separated widths (default 1..block)")

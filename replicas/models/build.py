@@ -1,17 +1,28 @@
-"""`forespark models build`: tokenizer, target and drafter from the standard library, deterministically.
+"""`forespark models build`: tokenizer, target and drafter from Python text every machine has, deterministically.
 
 Writes `<out>/target` (Hugging Face Llama + tokenizer), `<out>/drafter` (vLLM
-DFlash checkpoint), `<out>/build_report.json` (held-out perplexity per domain
-against a unigram baseline, offline per-position acceptance per domain) and
-`<out>/SHA256SUMS`.
+DFlash checkpoint), `<out>/build_report.json` (held-out perplexity and bits per
+character per domain against a unigram baseline, offline per-position
+acceptance per domain, greedy and at T=1, the corpus' packages and licences)
+and `<out>/SHA256SUMS`.
+
+With a checkpoint folder the build is resumable: it writes the full state
+(`checkpoint.py`) there every `checkpoint_minutes` and at the end of each phase
+(target -> continuations -> drafter -> evaluation), on SIGTERM/SIGINT too, plus
+a compact copy at the end of each phase (`<phase>-done.compact.pt`), and
+`progress.jsonl` (loss, learning rate, periodic held-out evaluation). `resume`
+continues from the folder's state; `resume_from` from a (compact) checkpoint file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
+import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,26 +30,44 @@ import torch
 from pydantic import BaseModel
 from tqdm import tqdm
 
-from replicas.models.corpus import DOMAINS, load_corpus
-from replicas.models.data import TokenStreams
-from replicas.models.dflash import DFlashDrafter
-from replicas.models.distill import offline_acceptance, target_continuations, train_drafter
+from replicas.models import checkpoint as ckpt
+from replicas.models.corpus import DOMAINS, CorpusSource, load_corpus
+from replicas.models.data import TokenStreams, streams_key
+from replicas.models.dflash import DFlashDrafter, target_features
+from replicas.models.distill import (
+    DrafterTrainer,
+    continuation_batches,
+    continuation_plan,
+    continue_batch,
+    offline_acceptance,
+    offline_acceptance_sampled,
+    target_continuations,
+)
 from replicas.models.spec import BuildSpec
-from replicas.models.target import held_out_perplexity, new_target, train_target
-from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, train_tokenizer
+from replicas.models.target import TargetTrainer, decay_start, held_out_perplexity, new_target
+from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, tokenizer_training_texts, train_tokenizer
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
+PHASES = ("target", "continuations", "drafter", "evaluation")
 
 
 class DomainQuality(BaseModel):
     perplexity: float
     unigram_perplexity: float
     offline_acceptance: list[float]  # P(first j drafts match the target's greedy tokens), j = 1..block
+    bits_per_char: float | None = None  # held-out, so that vocabularies compare
+    chars_per_token: float | None = None  # of the held-out text
+    # E[first j greedy drafts accepted] by vLLM's rejection sampler at T=1 after the target's sampled text
+    offline_acceptance_t1: list[float] = []
 
     @property
     def mean_accepted_length(self) -> float:
         """Accepted drafts + the bonus token, greedy, full width."""
         return 1.0 + float(sum(self.offline_acceptance))
+
+    @property
+    def mean_accepted_length_t1(self) -> float | None:
+        return 1.0 + float(sum(self.offline_acceptance_t1)) if self.offline_acceptance_t1 else None
 
 
 class BuildReport(BaseModel):
@@ -50,6 +79,9 @@ class BuildReport(BaseModel):
     target_loss_last: float
     drafter_loss_last: float
     seconds: dict[str, float]
+    corpus_tokens: dict[str, dict[str, int]] = {}
+    corpus_sources: list[CorpusSource] = []  # per pinned package: version, licence, what was used or why not
+    resumes: int = 0
 
 
 def _sha256(path: Path) -> str:
@@ -73,16 +105,202 @@ def verify_checksums(out_dir: Path) -> list[str]:
     return bad
 
 
-def build(out_dir: Path, spec: BuildSpec | None = None, reuse_target: bool = False) -> BuildReport:
-    """Everything, or with `reuse_target` only the drafter against the target already in `out_dir`."""
+class Interrupted(RuntimeError):
+    """The build stopped on SIGTERM/SIGINT after saving its state."""
+
+
+class _StopSignals:
+    """Turns SIGTERM/SIGINT into a flag checked between steps (so the state saved is a consistent one)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active, self.requested, self.previous = active, False, {}
+
+    def __enter__(self) -> "_StopSignals":
+        if self.active:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                try:
+                    self.previous[sig] = signal.signal(sig, self._handler)
+                except ValueError:  # not the main thread
+                    pass
+        return self
+
+    def _handler(self, signum, _frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _spec_differences(a: BuildSpec, b: BuildSpec) -> list[str]:
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def check_resumable(state: dict, spec: BuildSpec) -> None:
+    """A checkpoint continues under the spec that wrote it. One change is allowed: more (or fewer)
+    `train.target_steps` for a `wsd` schedule with explicit `warmup_steps` while the run is still in the
+    constant part under both step counts, and `train.drafter_steps` before the drafter phase."""
+    saved = BuildSpec.model_validate(state["spec"])
+    diffs = _spec_differences(saved, spec)
+    allowed = {"train.target_steps", "train.drafter_steps"}
+    other = [d for d in diffs if d.split(":")[0] not in allowed]
+    if other:
+        raise ValueError("the checkpoint was written under another spec: " + "; ".join(other))
+    phase = state["phase"]
+    if saved.train.drafter_steps != spec.train.drafter_steps and phase not in ("target", "continuations"):
+        raise ValueError("train.drafter_steps can change only before the drafter phase")
+    if saved.train.target_steps != spec.train.target_steps:
+        if phase != "target":
+            raise ValueError("train.target_steps can change only while the target trains")
+        step = int(state["target"]["step"])
+        if spec.train.lr_schedule != "wsd" or spec.train.warmup_steps is None:
+            raise ValueError("train.target_steps can change only under the wsd schedule with explicit warmup_steps")
+        limit = min(decay_start(saved.train), decay_start(spec.train))
+        if step > limit:
+            raise ValueError(f"the checkpoint (step {step}) is past the constant learning rate of one of the schedules (step {limit})")
+
+
+@torch.no_grad()
+def estimate_seconds(spec: BuildSpec, eos_id: int, mask_id: int, repeats: int = 2) -> dict[str, float]:
+    """Seconds per target step, drafter step, continuation token and prefill, timed here on throwaway
+    models (random weights and tokens: the cost does not depend on them); the global RNGs are untouched."""
+    t = spec.train
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(12345)
+        target = new_target(spec.target, eos_id, 12345)
+        drafter = DFlashDrafter(spec.drafter, spec.target.hidden_size)
+        v = spec.target.vocab_size
+        batch = torch.randint(0, v, (t.target_batch, t.seq_len))
+
+        def timed(fn, times: int = repeats) -> float:
+            fn()  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(times):
+                fn()
+            return (time.perf_counter() - t0) / times
+
+        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.bf16_autocast)  # noqa: E731
+
+        def target_step():
+            with torch.enable_grad(), autocast():
+                target(input_ids=batch, labels=batch).loss.backward()
+            target.zero_grad(set_to_none=True)
+
+        length = t.distill_prompt_len + t.distill_new_tokens
+        seqs = torch.randint(0, v, (t.drafter_batch, length))
+
+        def drafter_step():
+            from replicas.models.distill import distill_loss
+
+            with autocast():
+                logits, aux = target_features(target, seqs, spec.drafter.target_layer_ids)
+                anchors = torch.randint(t.distill_prompt_len - 1, length - spec.drafter.block - 1, (t.drafter_batch, t.drafter_anchors))
+                with torch.enable_grad():
+                    distill_loss(drafter, seqs, logits.float(), aux, anchors, target.get_input_embeddings().weight.detach(),
+                                 spec.drafter, mask_id, t.kl_weight).backward()
+            drafter.zero_grad(set_to_none=True)
+
+        prompts = torch.randint(0, v, (min(t.distill_gen_batch, t.distill_prompts), t.distill_prompt_len))
+
+        def gen(n: int):
+            return lambda: target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                                           min_new_tokens=n, do_sample=False, pad_token_id=eos_id)
+
+        target.train()
+        step = timed(target_step)
+        target.eval()
+        dstep = timed(drafter_step)
+        g4, g12 = timed(gen(4), 1), timed(gen(12), 1)
+    per_token = max(0.0, (g12 - g4) / 8)
+    return {"target_step": step, "drafter_step": dstep, "gen_token": per_token, "gen_prefill": max(0.0, g4 - 4 * per_token)}
+
+
+def format_duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def remaining_estimate(spec: BuildSpec, unit: dict[str, float], phase: str, target_step: int = 0, drafter_step: int = 0) -> dict[str, float]:
+    """Seconds left per phase from `unit` (estimate_seconds) at a position of the build."""
+    t = spec.train
+    batches = math.ceil(t.distill_prompts * (1 - t.distill_sampled_share) / t.distill_gen_batch) + math.ceil(
+        t.distill_prompts * t.distill_sampled_share / t.distill_gen_batch
+    )
+    gen = batches * unit["gen_prefill"] + batches * t.distill_new_tokens * unit["gen_token"]
+    order = PHASES.index(phase)
+    out = {
+        "target": (t.target_steps - target_step) * unit["target_step"] if order == 0 else 0.0,
+        "continuations": gen if order <= 1 else 0.0,
+        "drafter": (t.drafter_steps - drafter_step) * unit["drafter_step"] if order <= 2 else 0.0,
+        # two domains: 32 greedy + 32 sampled continuations each, perplexity windows, acceptance
+        "evaluation": 4 * (unit["gen_prefill"] + t.distill_new_tokens * unit["gen_token"]) * 32 / min(t.distill_gen_batch, t.distill_prompts)
+        + 8 * unit["target_step"],
+    }
+    if t.eval_every and order == 0:
+        out["target"] += (t.target_steps - target_step) // t.eval_every * unit["target_step"] * t.eval_windows / t.target_batch
+    return out
+
+
+def build(
+    out_dir: Path,
+    spec: BuildSpec | None = None,
+    reuse_target: bool = False,
+    *,
+    checkpoint_dir: Path | None = None,
+    checkpoint_minutes: float = 10.0,
+    resume: bool = False,
+    resume_from: Path | None = None,
+    estimate_only: bool = False,
+    log: Callable[[str], None] = print,
+    stop_after: Callable[[str, int], bool] | None = None,
+) -> BuildReport | None:
+    """Everything, or with `reuse_target` only the drafter against the target already in `out_dir`.
+
+    With `checkpoint_dir` the state is saved there (see the module docstring); `resume` continues
+    from it, `resume_from` from a checkpoint file. `estimate_only` prints how long the build would
+    take and returns None. `stop_after(phase, step)` (tests) stops like a signal would, after saving.
+    """
     spec = spec or BuildSpec()
     torch.manual_seed(spec.train.seed)
     np.random.seed(spec.train.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    seconds: dict[str, float] = {}
-    t0 = time.time()
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    state = None
+    if resume_from is not None:
+        state = ckpt.load(Path(resume_from))
+    elif resume and checkpoint_dir is not None and (checkpoint_dir / ckpt.STATE_FILE).is_file():
+        state = ckpt.load(checkpoint_dir / ckpt.STATE_FILE)
+    elif resume:
+        log(f"no checkpoint in {checkpoint_dir}: building from the start")
+    if state is not None:
+        check_resumable(state, spec)
+        where = state["phase"] + (f" step {state['target']['step']}" if state["phase"] == "target" else "")
+        where += f" step {state['drafter']['step']}" if state["phase"] == "drafter" and "drafter" in state else ""
+        log(f"resuming at {where}" + (" (from a compact checkpoint: AdamW first moments re-warm)" if state.get("resumed_from_compact") else ""))
+    seconds: dict[str, float] = dict(state["seconds"]) if state else {}
+    resumes = int(state.get("resumes", 0)) + 1 if state else 0
+    mark = time.time()
 
-    corpus = load_corpus()
+    def tick(name: str) -> None:
+        nonlocal mark
+        now = time.time()
+        seconds[name] = seconds.get(name, 0.0) + now - mark
+        mark = now
+
+    corpus = load_corpus(spec.corpus)
+    for source in corpus.sources:
+        if not source.used:
+            log(f"corpus: {source.name}=={source.version} not used: {source.note}")
+    previous = None
     if reuse_target:
         from tokenizers import Tokenizer
 
@@ -90,57 +308,196 @@ def build(out_dir: Path, spec: BuildSpec | None = None, reuse_target: bool = Fal
         previous = BuildReport.model_validate_json((out_dir / "build_report.json").read_text())
         if previous.spec.target != spec.target:
             raise ValueError("the target in the output folder was built from another target spec")
+    elif state is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(state["tokenizer"])
     else:
-        tok = train_tokenizer(corpus.docs["code"]["train"] + corpus.docs["prose"]["train"], spec.target.vocab_size)
+        texts = tokenizer_training_texts(
+            corpus.docs["code"]["train"] + corpus.docs["prose"]["train"], spec.train.tokenizer_train_chars
+        )
+        tok = train_tokenizer(texts, spec.target.vocab_size)
+    if not reuse_target:
         save_hf_tokenizer(tok, out_dir / "target")
     eos_id, mask_id = tok.token_to_id(EOS), tok.token_to_id(MASK)
-    streams = TokenStreams.encode(corpus, tok, eos_id)
-    seconds["corpus_and_tokenizer"] = time.time() - t0
+    key = streams_key(corpus, tok.to_str())
+    cache = checkpoint_dir / "streams.npz" if checkpoint_dir is not None else None
+    streams = TokenStreams.load(cache, key) if cache is not None else None
+    if streams is None:
+        streams = TokenStreams.encode(corpus, tok, eos_id)
+        if cache is not None:
+            streams.save(cache, key)
+    tick("corpus_and_tokenizer")
 
-    t0 = time.time()
+    phase = state["phase"] if state else ("continuations" if reuse_target else "target")
+    unit = estimate_seconds(spec, eos_id, mask_id)
+    left = remaining_estimate(
+        spec, unit, phase,
+        target_step=int(state["target"]["step"]) if state and phase == "target" else 0,
+        drafter_step=int(state["drafter"]["step"]) if state and phase == "drafter" and "drafter" in state else 0,
+    )
+    log(
+        f"estimated time left on {torch.get_num_threads()} thread(s): "
+        + ", ".join(f"{k} {format_duration(v)}" for k, v in left.items() if v)
+        + f"; total {format_duration(sum(left.values()))}"
+        + f" (target step {unit['target_step']:.2f} s, drafter step {unit['drafter_step']:.2f} s)"
+    )
+    if estimate_only:
+        return None
+    mark = time.time()
+
+    clock = ckpt.Clock(checkpoint_minutes)
+    progress_path = checkpoint_dir / "progress.jsonl" if checkpoint_dir is not None else None
+
+    def record(entry: dict) -> None:
+        if progress_path is not None:
+            with progress_path.open("a") as f:
+                f.write(json.dumps({"time": time.time(), **entry}) + "\n")
+
+    def snapshot(phase_now: str, **parts) -> dict:
+        return {
+            "format": ckpt.FORMAT, "kind": "full", "spec": spec.model_dump(mode="json"), "phase": phase_now,
+            "tokenizer": tok.to_str(), "torch_rng": torch.get_rng_state(), "seconds": dict(seconds),
+            "resumes": resumes, **parts,
+        }
+
+    def save(phase_now: str, stage_done: str | None = None, **parts) -> None:
+        if checkpoint_dir is None:
+            return
+        tick(phase_now if stage_done is None else stage_done)
+        state_now = snapshot(phase_now, **parts)
+        ckpt.save(state_now, checkpoint_dir / ckpt.STATE_FILE)
+        if stage_done is not None:
+            ckpt.save(ckpt.compact(state_now), checkpoint_dir / f"{stage_done}-done.compact.pt")
+        record({"event": "checkpoint", "phase": phase_now})
+        clock.reset()
+
     if reuse_target:
         from replicas.models.embedded import load_target
 
         target = load_target(out_dir / "target")
-        target_loss = previous.target_loss_last
+        target_losses = [previous.target_loss_last]
         seconds["target"] = previous.seconds["target"]
     else:
         target = new_target(spec.target, eos_id, spec.train.seed)
-        with tqdm(total=spec.train.target_steps, desc="target", unit="step") as bar:
-            losses = train_target(
-                target, streams, spec.train, lambda _s, loss: (bar.update(), bar.set_postfix(loss=f"{loss:.3f}"))
-            )
-        target.save_pretrained(str(out_dir / "target"), safe_serialization=True)
-        target_loss = float(np.mean(losses[-20:]))
-        seconds["target"] = time.time() - t0
+    if state is not None:
+        torch.set_rng_state(state["torch_rng"])
 
-    t0 = time.time()
-    with tqdm(total=spec.train.distill_prompts, desc="target continuations", unit="seq") as bar:
-        sequences = target_continuations(target, streams, spec.train, bar.update)
-    drafter = DFlashDrafter(spec.drafter, spec.target.hidden_size)
-    with tqdm(total=spec.train.drafter_steps, desc="drafter", unit="step") as bar:
-        drafter_losses = train_drafter(
-            drafter, target, sequences, spec.drafter, spec.train, mask_id,
-            lambda _s, loss: (bar.update(), bar.set_postfix(loss=f"{loss:.3f}")),
-        )
+    with _StopSignals(checkpoint_dir is not None) as stop:
+
+        def should_stop(phase_now: str, step: int) -> bool:
+            return stop.requested or (stop_after is not None and stop_after(phase_now, step))
+
+        if phase == "target":
+            trainer = TargetTrainer(target, streams, spec.train)
+            if state is not None:
+                trainer.load_state_dict(state["target"])
+            unigram = streams.unigram_log_probs(spec.target.vocab_size) if spec.train.eval_every else None
+            with tqdm(total=spec.train.target_steps, initial=trainer.step, desc="target", unit="step", smoothing=0.02) as bar:
+                while not trainer.done:
+                    loss = trainer.run_step()
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{trainer.lr:.2e}")
+                    if trainer.step % 25 == 0:
+                        record({"phase": "target", "step": trainer.step, "loss": float(np.mean(trainer.losses[-25:])), "lr": trainer.lr,
+                                "seconds": seconds.get("target", 0.0) + time.time() - mark})
+                    if spec.train.eval_every and trainer.step % spec.train.eval_every == 0:
+                        q = held_out_perplexity(target, streams, spec.train.seq_len, spec.train.eval_windows, unigram=unigram)
+                        record({"phase": "target", "step": trainer.step, "eval": q})
+                        bar.write(f"step {trainer.step}: held-out " + ", ".join(
+                            f"{d} perplexity {v['perplexity']:.2f} ({v.get('bits_per_char', float('nan')):.3f} bits/char)" for d, v in q.items()))
+                    stopping = should_stop("target", trainer.step)
+                    if trainer.done:
+                        break
+                    if clock.due() or stopping:
+                        save("target", target=trainer.state_dict())
+                    if stopping:
+                        raise Interrupted(f"stopped at target step {trainer.step}; state in {checkpoint_dir}")
+            target.eval()
+            target_losses = trainer.losses
+            phase = "continuations"
+            save(phase, stage_done="target", target={"weights": target.state_dict(), "losses": target_losses})
+        elif not reuse_target:
+            target.load_state_dict(state["target"]["weights"])
+            target.eval()
+            target_losses = list(state["target"]["losses"])
+        if not reuse_target:
+            target.save_pretrained(str(out_dir / "target"), safe_serialization=True)
+        target_part = {"weights": target.state_dict(), "losses": target_losses} if not reuse_target else None
+
+        if phase == "continuations":
+            done = {k: v for k, v in (state or {}).get("continuations", {}).items() if isinstance(k, int)}
+            done = {k: v.long() for k, v in done.items()}
+            prompts, sampled = continuation_plan(streams, spec.train)
+            n_batches = len(continuation_batches(prompts, sampled, spec.train.distill_gen_batch))
+
+            def on_batch(b: int, seqs: torch.Tensor) -> None:
+                done[b] = seqs
+                stopping = should_stop("continuations", len(done))
+                if len(done) < n_batches and (clock.due() or stopping):
+                    save("continuations", target=target_part, continuations=dict(done))
+                if stopping and len(done) < n_batches:
+                    raise Interrupted(f"stopped after {len(done)} of {n_batches} continuation batches; state in {checkpoint_dir}")
+
+            with tqdm(total=len(prompts), desc="target continuations", unit="seq") as bar:
+                sequences, sampled = target_continuations(target, streams, spec.train, bar.update, done=done, on_batch=on_batch)
+            phase = "drafter"
+            save(phase, stage_done="continuations", target=target_part, continuations={"sequences": sequences, "sampled": sampled})
+        else:
+            sequences = state["continuations"]["sequences"].long()
+            sampled = state["continuations"]["sampled"]
+
+        drafter = DFlashDrafter(spec.drafter, spec.target.hidden_size)
+        continuations_part = {"sequences": sequences, "sampled": sampled}
+        if phase == "drafter":
+            trainer = DrafterTrainer(drafter, target, sequences, spec.drafter, spec.train, mask_id)
+            if state is not None and state["phase"] == "drafter" and "drafter" in state:
+                trainer.load_state_dict(state["drafter"])
+                torch.set_rng_state(state["torch_rng"])
+            with tqdm(total=spec.train.drafter_steps, initial=trainer.step, desc="drafter", unit="step", smoothing=0.02) as bar:
+                while not trainer.done:
+                    loss = trainer.run_step()
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                    if trainer.step % 25 == 0:
+                        record({"phase": "drafter", "step": trainer.step, "loss": float(np.mean(trainer.losses[-25:]))})
+                    stopping = should_stop("drafter", trainer.step)
+                    if trainer.done:
+                        break
+                    if clock.due() or stopping:
+                        save("drafter", target=target_part, continuations=continuations_part, drafter=trainer.state_dict())
+                    if stopping:
+                        raise Interrupted(f"stopped at drafter step {trainer.step}; state in {checkpoint_dir}")
+            drafter.eval()
+            drafter_losses = trainer.losses
+            phase = "evaluation"
+            save(phase, stage_done="drafter", target=target_part, continuations=continuations_part,
+                 drafter={"weights": drafter.state_dict(), "losses": drafter_losses})
+        else:
+            drafter.load_state_dict(state["drafter"]["weights"])
+            drafter.eval()
+            drafter_losses = list(state["drafter"]["losses"])
     drafter.save(out_dir / "drafter", vocab_size=spec.target.vocab_size, mask_token_id=mask_id, max_positions=spec.target.max_positions)
-    seconds["drafter"] = time.time() - t0
 
-    t0 = time.time()
+    mark = time.time()
     quality = evaluate_models(target, drafter, streams, spec, mask_id)
-    seconds["evaluation"] = time.time() - t0
+    tick("evaluation")
     report = BuildReport(
         spec=spec,
         python=platform.python_version(),
         torch=torch.__version__,
         corpus_chars={d: {s: corpus.size(d, s) for s in ("train", "held_out")} for d in DOMAINS},
         domains=quality,
-        target_loss_last=target_loss,
+        target_loss_last=float(np.mean(target_losses[-20:])),
         drafter_loss_last=float(np.mean(drafter_losses[-20:])),
         seconds=seconds,
+        corpus_tokens={d: {s: int(len(a)) for s, a in streams.streams[d].items()} for d in DOMAINS} if spec.corpus.packages else {},
+        corpus_sources=corpus.sources,
+        resumes=resumes,
     )
     (out_dir / "build_report.json").write_text(report.model_dump_json(indent=2) + "\n")
     write_checksums(out_dir)
+    record({"event": "done", "out": str(out_dir)})
     return report
 
 
@@ -148,7 +505,8 @@ def build(out_dir: Path, spec: BuildSpec | None = None, reuse_target: bool = Fal
 def evaluate_models(
     target, drafter: DFlashDrafter, streams: TokenStreams, spec: BuildSpec, mask_id: int
 ) -> dict[str, DomainQuality]:
-    """Held-out perplexity, and offline acceptance on the target's continuations of held-out prompts."""
+    """Held-out perplexity (and bits per character), offline greedy acceptance on the target's greedy
+    continuations of held-out prompts, and offline T=1 acceptance on its sampled continuations of them."""
     ppl = held_out_perplexity(target, streams, spec.train.seq_len)
     rng = np.random.default_rng(spec.train.seed + 5)
     out = {}
@@ -159,7 +517,13 @@ def evaluate_models(
             min_new_tokens=spec.train.distill_new_tokens, do_sample=False, pad_token_id=target.config.eos_token_id,
         )
         acc = offline_acceptance(drafter, target, seqs, spec.drafter, mask_id, start=spec.train.distill_prompt_len - 1)
-        out[domain] = DomainQuality(**ppl[domain], offline_acceptance=acc.tolist())
+        sampled = continue_batch(target, prompts, spec.train.model_copy(update={"distill_temperature": 1.0}), True,
+                                 seed=spec.train.seed + 7 + DOMAINS.index(domain))
+        acc_t1 = offline_acceptance_sampled(drafter, target, sampled, spec.drafter, mask_id, start=spec.train.distill_prompt_len - 1)
+        out[domain] = DomainQuality(
+            **ppl[domain], offline_acceptance=acc.tolist(), offline_acceptance_t1=acc_t1.tolist(),
+            chars_per_token=streams.chars_per_token(domain, "held_out") if streams.chars else None,
+        )
     return out
 
 

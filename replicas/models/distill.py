@@ -1,11 +1,15 @@
 """Train the DFlash drafter against the target.
 
-Training text is the target's own greedy continuations of training-text
-prompts: at serving time the drafter must guess what the target will say, and
-the target's greedy token at each position is exactly what greedy verification
-accepts. Loss per drafted position: cross-entropy on the target's token plus a
-KL term towards the target's full distribution (what sampled verification
-accepts). Blocks are anchored at random positions of the continuation.
+Training text is the target's own continuations of training-text prompts: at
+serving time the drafter must guess what the target will say. Greedy
+continuations hold the target's argmax at each position (what greedy
+verification accepts); with `distill_sampled_share` > 0 that share of the
+continuations are the target's samples at `distill_temperature` (1 by default),
+so the drafter also sees the text the target produces when it samples, as it
+does at serving time at T=1. Loss per drafted position: cross-entropy on the
+target's token (greedy or sampled) plus a KL term towards the target's full
+distribution at that position (what sampled verification accepts). Blocks are
+anchored at random positions of the continuation.
 """
 
 from __future__ import annotations
@@ -23,11 +27,9 @@ from replicas.models.optim import Optimiser
 from replicas.models.spec import DrafterSpec, TrainSpec
 
 
-@torch.no_grad()
-def target_continuations(
-    target, streams: TokenStreams, train: TrainSpec, progress: Callable[[int], None] | None = None
-) -> torch.Tensor:
-    """[prompts, prompt_len + new_tokens] greedy continuations of code and prose training prompts."""
+def continuation_plan(streams: TokenStreams, train: TrainSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(prompts [n, prompt_len], sampled [n] bool): the training prompts, greedy ones first, and which
+    of them the target continues by sampling. Without sampling this is the shipped build's plan."""
     rng = np.random.default_rng(train.seed + 1)
     half = int(round(train.distill_prompts * train.distill_code_share))
     prompts = np.concatenate(
@@ -36,21 +38,147 @@ def target_continuations(
             streams.windows("prose", "train", train.distill_prompt_len, train.distill_prompts - half, rng),
         ]
     )
+    n_sampled = int(round(len(prompts) * train.distill_sampled_share))
+    sampled = np.zeros(len(prompts), dtype=bool)
+    if n_sampled:
+        sampled[np.random.default_rng(train.seed + 6).permutation(len(prompts))[:n_sampled]] = True
+        prompts = np.concatenate([prompts[~sampled], prompts[sampled]])
+        sampled = np.arange(len(prompts)) >= len(prompts) - n_sampled
+    return prompts, sampled
+
+
+def continuation_batches(prompts: np.ndarray, sampled: np.ndarray, batch: int) -> list[tuple[int, int, bool]]:
+    """(start, stop, sampled) of each generate() call; a batch never mixes greedy and sampled prompts."""
     out = []
-    for start in range(0, len(prompts), 64):
-        batch = torch.from_numpy(prompts[start : start + 64])
-        seqs = target.generate(
-            input_ids=batch,
-            attention_mask=torch.ones_like(batch),
+    for flag in (False, True):
+        idx = np.flatnonzero(sampled == flag)
+        for i in range(0, len(idx), batch):
+            out.append((int(idx[i]), int(idx[min(i + batch, len(idx)) - 1]) + 1, flag))
+    return out
+
+
+@torch.no_grad()
+def continue_batch(target, prompts: torch.Tensor, train: TrainSpec, sample: bool, seed: int) -> torch.Tensor:
+    """The target's continuation of `prompts`: greedy, or sampled from its full distribution at
+    `distill_temperature` (no top-k / top-p), seeded by `seed` without touching the global RNG."""
+    kwargs = dict(do_sample=False)
+    if sample:
+        kwargs = dict(do_sample=True, temperature=train.distill_temperature, top_k=0, top_p=1.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return target.generate(
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
             max_new_tokens=train.distill_new_tokens,
             min_new_tokens=train.distill_new_tokens,
-            do_sample=False,
             pad_token_id=target.config.eos_token_id,
+            **kwargs,
         )
-        out.append(seqs)
+
+
+@torch.no_grad()
+def target_continuations(
+    target, streams: TokenStreams, train: TrainSpec, progress: Callable[[int], None] | None = None,
+    done: dict[int, torch.Tensor] | None = None, on_batch: Callable[[int, torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences [prompts, prompt_len + new_tokens], sampled [prompts] bool): the target's continuations
+    of code and prose training prompts. `done` holds batches already generated (by batch index, from a
+    checkpoint); `on_batch` is told of each new one."""
+    prompts, sampled = continuation_plan(streams, train)
+    done = dict(done or {})
+    for b, (start, stop, sample) in enumerate(continuation_batches(prompts, sampled, train.distill_gen_batch)):
+        if b not in done:
+            batch = torch.from_numpy(prompts[start:stop])
+            done[b] = continue_batch(target, batch, train, sample, seed=train.seed + 1000 + b)
+            if on_batch:
+                on_batch(b, done[b])
         if progress:
-            progress(len(batch))
-    return torch.cat(out)
+            progress(stop - start)
+    return torch.cat([done[b] for b in sorted(done)]), torch.from_numpy(sampled)
+
+
+def drafter_lr_factor(train: TrainSpec) -> Callable[[int], float]:
+    return lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / train.drafter_steps)))
+
+
+class DrafterTrainer:
+    """The drafter's training loop one step at a time, its whole state in `state_dict()` (see TargetTrainer)."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, target, sequences: torch.Tensor, spec: DrafterSpec, train: TrainSpec, mask_token_id: int
+    ) -> None:
+        torch.manual_seed(train.seed + 2)
+        self.drafter, self.target, self.sequences = drafter, target, sequences
+        self.spec, self.train, self.mask_token_id = spec, train, mask_token_id
+        self.rng = np.random.default_rng(train.seed + 2)
+        self.embed = target.get_input_embeddings().weight.detach()
+        self.opt = Optimiser(drafter.parameters(), train.drafter_lr, 0.01, drafter_lr_factor(train))
+        t = sequences.shape[1]
+        self.lo, self.hi = train.distill_prompt_len - 1, t - spec.block - 1
+        self.offsets = torch.arange(1, spec.block + 1)
+        self.step = 0
+        self.losses: list[float] = []
+        drafter.train()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.train.drafter_steps
+
+    def run_step(self) -> float:
+        spec, train = self.spec, self.train
+        rows = torch.from_numpy(self.rng.integers(0, len(self.sequences), train.drafter_batch))
+        seqs = self.sequences[rows]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
+            with torch.no_grad():
+                teacher_logits, aux = target_features(self.target, seqs, spec.target_layer_ids)
+            anchors = torch.from_numpy(self.rng.integers(self.lo, self.hi + 1, (train.drafter_batch, train.drafter_anchors)))
+            loss = distill_loss(
+                self.drafter, seqs, teacher_logits.float(), aux, anchors, self.embed, spec, self.mask_token_id, train.kl_weight
+            )
+        self.losses.append(self.opt.step(loss))
+        self.step += 1
+        return self.losses[-1]
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "losses": list(self.losses),
+            "rng": self.rng.bit_generator.state,
+            "model": {k: v.detach().clone() for k, v in self.drafter.state_dict().items()},
+            "optimizer": self.opt.opt.state_dict(),
+            "scheduler": self.opt.sched.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drafter.load_state_dict(state["model"])
+        self.opt.opt.load_state_dict(state["optimizer"])
+        self.opt.sched.load_state_dict(state["scheduler"])
+        self.rng.bit_generator.state = state["rng"]
+        self.step = int(state["step"])
+        self.losses = list(state["losses"])
+
+
+def distill_loss(
+    drafter: DFlashDrafter, seqs: torch.Tensor, teacher_logits: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
+    embed: torch.Tensor, spec: DrafterSpec, mask_token_id: int, kl_weight: float,
+) -> torch.Tensor:
+    """CE on the sequence's tokens (the target's greedy or sampled ones) + kl_weight x KL(target || drafter)
+    per drafted position of blocks anchored at `anchors`."""
+    offsets = torch.arange(1, spec.block + 1)
+    block = torch.full((*anchors.shape, spec.block + 1), mask_token_id, dtype=torch.long)
+    block[..., 0] = torch.gather(seqs, 1, anchors)
+    logits = drafter(aux, block, anchors, embed)  # [B, N, block, V]
+    label_pos = anchors[..., None] + offsets  # slot j predicts x_{P+j}
+    labels = torch.gather(seqs, 1, label_pos.flatten(1)).view_as(label_pos)
+    teacher = torch.gather(
+        teacher_logits, 1, (label_pos - 1).flatten(1)[..., None].expand(-1, -1, teacher_logits.shape[-1])
+    ).view_as(logits)
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    ce = F.nll_loss(log_q.flatten(0, 2), labels.flatten())
+    kl = F.kl_div(log_q, F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean") / (
+        anchors.shape[1] * spec.block
+    )
+    return ce + kl_weight * kl
 
 
 def train_drafter(
@@ -62,44 +190,13 @@ def train_drafter(
     mask_token_id: int,
     progress: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    torch.manual_seed(train.seed + 2)
-    rng = np.random.default_rng(train.seed + 2)
-    embed = target.get_input_embeddings().weight.detach()
-    opt = Optimiser(
-        drafter.parameters(),
-        train.drafter_lr,
-        0.01,
-        lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / train.drafter_steps))),
-    )
-    t = sequences.shape[1]
-    lo, hi = train.distill_prompt_len - 1, t - spec.block - 1
-    offsets = torch.arange(1, spec.block + 1)
-    drafter.train()
-    losses = []
-    for step in range(train.drafter_steps):
-        rows = torch.from_numpy(rng.integers(0, len(sequences), train.drafter_batch))
-        seqs = sequences[rows]
-        with torch.no_grad():
-            teacher_logits, aux = target_features(target, seqs, spec.target_layer_ids)
-        anchors = torch.from_numpy(rng.integers(lo, hi + 1, (train.drafter_batch, train.drafter_anchors)))
-        block = torch.full((*anchors.shape, spec.block + 1), mask_token_id, dtype=torch.long)
-        block[..., 0] = torch.gather(seqs, 1, anchors)
-        logits = drafter(aux, block, anchors, embed)  # [B, N, block, V]
-        label_pos = anchors[..., None] + offsets  # slot j predicts x_{P+j}
-        labels = torch.gather(seqs, 1, label_pos.flatten(1)).view_as(label_pos)
-        teacher = torch.gather(
-            teacher_logits, 1, (label_pos - 1).flatten(1)[..., None].expand(-1, -1, teacher_logits.shape[-1])
-        ).view_as(logits)
-        log_q = F.log_softmax(logits, dim=-1)
-        ce = F.nll_loss(log_q.flatten(0, 2), labels.flatten())
-        kl = F.kl_div(log_q, F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean") / (
-            anchors.shape[1] * spec.block
-        )
-        losses.append(opt.step(ce + train.kl_weight * kl))
+    trainer = DrafterTrainer(drafter, target, sequences, spec, train, mask_token_id)
+    while not trainer.done:
+        loss = trainer.run_step()
         if progress:
-            progress(step, losses[-1])
+            progress(trainer.step - 1, loss)
     drafter.eval()
-    return losses
+    return trainer.losses
 
 
 @torch.no_grad()
@@ -120,3 +217,38 @@ def offline_acceptance(
     want = torch.gather(greedy, 1, (anchors[..., None] + torch.arange(spec.block)).flatten(1)).view_as(drafts)
     survive = torch.cumprod((drafts == want).float(), dim=-1)
     return survive.mean(dim=(0, 1)).numpy()
+
+
+@torch.no_grad()
+def offline_acceptance_sampled(
+    drafter: DFlashDrafter, target, sequences: torch.Tensor, spec: DrafterSpec, mask_token_id: int, start: int,
+    anchors_per_sequence: int = 4, temperature: float = 1.0, seed: int = 4,
+) -> np.ndarray:
+    """Per-position acceptance at `temperature` as vLLM verifies greedy drafts (its drafts carry no
+    probabilities, so draft d_j is accepted with the target's probability of it): with blocks anchored
+    in the target's own sampled text, E[prod_{i<=j} p(d_i | prefix, d_1..d_{i-1})], j = 1..block, exactly,
+    from one target pass over each prefix followed by its drafts."""
+    rng = np.random.default_rng(seed)
+    embed = target.get_input_embeddings().weight
+    _, aux = target_features(target, sequences, spec.target_layer_ids)
+    n, t = sequences.shape
+    k = spec.block
+    anchors = torch.from_numpy(rng.integers(start, t - k - 1, (n, anchors_per_sequence)))
+    block = torch.full((*anchors.shape, k + 1), mask_token_id, dtype=torch.long)
+    block[..., 0] = torch.gather(sequences, 1, anchors)
+    drafts = drafter(aux, block, anchors, embed).argmax(-1)  # [n, A, k]
+    # Rows: the prefix x_0..x_P then the drafts (causal attention: what follows a position never changes it).
+    width = int(anchors.max()) + 1 + k
+    rows = torch.zeros((n * anchors_per_sequence, width), dtype=torch.long)
+    flat_anchors = anchors.flatten()
+    for r, (i, p) in enumerate(zip(torch.arange(n).repeat_interleave(anchors_per_sequence).tolist(), flat_anchors.tolist())):
+        rows[r, : p + 1] = sequences[i, : p + 1]
+        rows[r, p + 1 : p + 1 + k] = drafts.flatten(0, 1)[r]
+    probs = []
+    for s in range(0, len(rows), 16):
+        logits = target(input_ids=rows[s : s + 16]).logits  # logits[P + j - 1] give p(d_j)
+        pos = flat_anchors[s : s + 16, None] + torch.arange(k)
+        lp = torch.log_softmax(torch.gather(logits, 1, pos[..., None].expand(-1, -1, logits.shape[-1])) / temperature, -1)
+        probs.append(torch.gather(lp, 2, drafts.flatten(0, 1)[s : s + 16, :, None]).squeeze(-1).exp())
+    survive = torch.cumprod(torch.cat(probs), dim=-1)
+    return survive.mean(dim=0).numpy()

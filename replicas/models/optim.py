@@ -21,4 +21,4 @@ class Optimiser:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        return float(loss)
+        return float(loss.detach())

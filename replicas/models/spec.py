@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Literal
+
 from pydantic import BaseModel, Field
+
+SPECS_DIR = Path(__file__).parent / "specs"
 
 
 class TargetSpec(BaseModel):
@@ -34,6 +40,22 @@ class DrafterSpec(BaseModel):
     rope_theta: float = 10000.0
 
 
+class CorpusSpec(BaseModel):
+    """The training text. The default is the shipped corpus: the standard library only."""
+
+    stdlib: bool = True
+    max_stdlib_code_chars: int = 8_000_000
+    packages: list[str] = Field(
+        default_factory=list, description="installed distributions read as name==version, in this order"
+    )
+    max_package_code_chars: int = Field(default=8_000_000, description="code characters read per package at most")
+    max_file_chars: int = Field(default=400_000, description="package files longer than this are skipped (generated)")
+    max_line_chars: int = Field(default=1_000, description="package sources with a longer line are skipped (data)")
+    on_version_mismatch: Literal["fail", "skip"] = Field(
+        default="fail", description="a pinned package installed at another version: stop, or skip it with a note"
+    )
+
+
 class TrainSpec(BaseModel):
     seed: int = 0
     seq_len: int = 256
@@ -50,9 +72,41 @@ class TrainSpec(BaseModel):
     drafter_anchors: int = 24
     drafter_lr: float = 2e-3
     kl_weight: float = 0.5
+    # Added for the larger pair; the defaults keep the shipped build as it was.
+    tokenizer_train_chars: int = Field(default=0, ge=0, description="train the tokenizer on this many characters (0: all)")
+    lr_schedule: Literal["cosine", "wsd"] = Field(
+        default="cosine", description="cosine from warm-up to the end, or warm-up / stable / decay (extendable)"
+    )
+    warmup_steps: int | None = Field(default=None, description="None: target_steps // 20")
+    decay_fraction: float = Field(default=0.2, gt=0.0, le=1.0, description="wsd: share of steps in the final decay")
+    min_lr_factor: float = Field(default=0.1, ge=0.0, le=1.0)
+    distill_sampled_share: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="share of drafter training continuations sampled (else greedy)"
+    )
+    distill_temperature: float = Field(default=1.0, gt=0.0, description="temperature of the sampled continuations")
+    distill_gen_batch: int = Field(default=64, ge=1, description="prompts continued per generate() call")
+    bf16_autocast: bool = Field(
+        default=False, description="train (not evaluate) under CPU bfloat16 autocast: ~2x faster where the CPU has AVX512-BF16"
+    )
+    eval_every: int = Field(default=0, ge=0, description="held-out perplexity every this many target steps (0: never)")
+    eval_windows: int = Field(default=16, ge=1, description="held-out windows per domain of the periodic evaluation")
 
 
 class BuildSpec(BaseModel):
+    corpus: CorpusSpec = Field(default_factory=CorpusSpec)
     target: TargetSpec = Field(default_factory=TargetSpec)
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+
+
+def load_spec(name_or_path: str) -> BuildSpec:
+    """`shipped` (the defaults, what replicas/models/weights holds), a name under specs/, or a JSON file."""
+    if name_or_path == "shipped":
+        return BuildSpec()
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = SPECS_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        names = ", ".join(["shipped"] + sorted(p.stem for p in SPECS_DIR.glob("*.json")))
+        raise FileNotFoundError(f"no build spec {name_or_path!r} (named specs: {names}; or a JSON file)")
+    return BuildSpec.model_validate(json.loads(path.read_text()))

@@ -41,39 +41,114 @@ def new_target(spec: TargetSpec, eos_id: int, seed: int):
     return LlamaForCausalLM(llama_config(spec, eos_id))
 
 
+def lr_factor(train: TrainSpec, steps: int | None = None) -> Callable[[int], float]:
+    """Learning-rate factor per step: linear warm-up, then cosine decay to `min_lr_factor` over the
+    remaining steps (`cosine`), or constant until the last `decay_fraction` of the steps and then the
+    cosine decay (`wsd`: a run can be extended while it is in the constant part)."""
+    steps = steps if steps is not None else train.target_steps
+    warmup = train.warmup_steps if train.warmup_steps is not None else max(1, steps // 20)
+    low = train.min_lr_factor
+    decay_start = warmup if train.lr_schedule == "cosine" else max(warmup, steps - int(round(steps * train.decay_fraction)))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if step < decay_start:
+            return 1.0
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * (step - decay_start) / max(1, steps - decay_start)))
+
+    return factor
+
+
+def decay_start(train: TrainSpec) -> int:
+    """The first step whose learning rate depends on `target_steps` (before it, a run can be extended)."""
+    warmup = train.warmup_steps if train.warmup_steps is not None else max(1, train.target_steps // 20)
+    if train.lr_schedule == "cosine":
+        return warmup
+    return max(warmup, train.target_steps - int(round(train.target_steps * train.decay_fraction)))
+
+
+class TargetTrainer:
+    """AdamW on mixed code/prose windows, one step at a time, with its whole state in `state_dict()`
+    (weights, optimiser moments, schedule position, the window sampler's RNG, the loss curve), so
+    a run resumed from a checkpoint takes exactly the steps the uninterrupted run would have."""
+
+    def __init__(self, model, streams: TokenStreams, train: TrainSpec) -> None:
+        self.model, self.streams, self.train = model, streams, train
+        self.rng = np.random.default_rng(train.seed)
+        self.opt = Optimiser(model.parameters(), train.target_lr, 0.05, lr_factor(train))
+        self.step = 0
+        self.losses: list[float] = []
+        model.train()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.train.target_steps
+
+    def run_step(self) -> float:
+        t = self.train
+        batch = torch.from_numpy(self.streams.mixed_windows(t.seq_len, t.target_batch, t.code_share, self.rng))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.bf16_autocast):
+            loss = self.model(input_ids=batch, labels=batch).loss
+        loss = self.opt.step(loss)
+        self.losses.append(loss)
+        self.step += 1
+        return loss
+
+    @property
+    def lr(self) -> float:
+        return float(self.opt.opt.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "losses": list(self.losses),
+            "rng": self.rng.bit_generator.state,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.opt.opt.state_dict(),
+            "scheduler": self.opt.sched.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.opt.load_state_dict(state["optimizer"])
+        self.opt.sched.load_state_dict(state["scheduler"])
+        self.rng.bit_generator.state = state["rng"]
+        self.step = int(state["step"])
+        self.losses = list(state["losses"])
+
+
 def train_target(
     model, streams: TokenStreams, train: TrainSpec, progress: Callable[[int, float], None] | None = None
 ) -> list[float]:
     """AdamW with warm-up and cosine decay on mixed code/prose windows; returns the loss curve."""
-    rng = np.random.default_rng(train.seed)
-    warmup = max(1, train.target_steps // 20)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, train.target_steps - warmup)))
-
-    opt = Optimiser(model.parameters(), train.target_lr, 0.05, lr_at)
-    model.train()
-    losses = []
-    for step in range(train.target_steps):
-        batch = torch.from_numpy(streams.mixed_windows(train.seq_len, train.target_batch, train.code_share, rng))
-        losses.append(opt.step(model(input_ids=batch, labels=batch).loss))
+    trainer = TargetTrainer(model, streams, train)
+    while not trainer.done:
+        loss = trainer.run_step()
         if progress:
-            progress(step, losses[-1])
+            progress(trainer.step - 1, loss)
     model.eval()
-    return losses
+    return trainer.losses
 
 
 @torch.no_grad()
-def held_out_perplexity(model, streams: TokenStreams, seq_len: int, windows: int = 48, seed: int = 1) -> dict[str, dict]:
-    """Per-domain perplexity on held-out text, next to an add-one unigram baseline."""
+def held_out_perplexity(
+    model, streams: TokenStreams, seq_len: int, windows: int = 48, seed: int = 1, unigram: np.ndarray | None = None
+) -> dict[str, dict]:
+    """Per-domain perplexity on held-out text, next to an add-one unigram baseline, and bits per
+    character (the per-token figure over the held-out stream's characters per token, so that
+    tokenizers of different vocabularies compare)."""
     rng = np.random.default_rng(seed)
-    unigram = streams.unigram_log_probs(model.config.vocab_size)
+    unigram = unigram if unigram is not None else streams.unigram_log_probs(model.config.vocab_size)
+    was_training = model.training
+    model.eval()
     out = {}
     for domain in streams.streams:
         batch = torch.from_numpy(streams.windows(domain, "held_out", seq_len, windows, rng))
         nll = float(model(input_ids=batch, labels=batch).loss)
         uni = float(-unigram[batch[:, 1:].numpy()].mean())
         out[domain] = {"perplexity": math.exp(nll), "unigram_perplexity": math.exp(uni)}
+        if streams.chars:
+            out[domain]["bits_per_char"] = nll / math.log(2) / streams.chars_per_token(domain, "held_out")
+    model.train(was_training)
     return out

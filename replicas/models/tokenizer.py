@@ -27,6 +27,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return tok
 
 
+def tokenizer_training_texts(docs: list[str], max_chars: int) -> list[str]:
+    """A deterministic subset of `docs` of about `max_chars` characters (all when 0): documents taken
+    in the order of their text's hash, so the subset spreads over packages and domains."""
+    if not max_chars or sum(map(len, docs)) <= max_chars:
+        return docs
+    import hashlib
+
+    out, total = [], 0
+    for doc in sorted(docs, key=lambda d: hashlib.sha1(d.encode()).digest()):
+        if total >= max_chars:
+            break
+        out.append(doc)
+        total += len(doc)
+    return out
+
+
 def save_hf_tokenizer(tok, out_dir: Path) -> None:
     """tokenizer.json + tokenizer_config.json, loadable with AutoTokenizer (and so by vLLM)."""
     from transformers import PreTrainedTokenizerFast

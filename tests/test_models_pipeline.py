@@ -1,0 +1,422 @@
+"""The build pipeline of the embedded pair: corpus pins and licences, resumable training, sampled distillation.
+
+Fast (seconds): synthetic distributions in a temporary site folder, tiny models, a tiny corpus.
+"""
+
+import io
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from replicas.models import build as build_mod
+from replicas.models import checkpoint as ckpt
+from replicas.models.corpus import Corpus, VersionMismatch, is_held_out, load_corpus
+from replicas.models.data import TokenStreams
+from replicas.models.distill import (
+    DrafterTrainer,
+    continuation_batches,
+    continuation_plan,
+    target_continuations,
+)
+from replicas.models.dflash import DFlashDrafter
+from replicas.models.licences import expression_permitted, licence_of
+from replicas.models.spec import BuildSpec, CorpusSpec, DrafterSpec, TargetSpec, TrainSpec, load_spec
+from replicas.models.target import TargetTrainer, new_target
+
+torch.set_num_threads(1)
+
+# --- corpus: pins and licences ------------------------------------------------------------------
+
+CODE = '''\
+"""{name}: a module of the {pkg} package used to test the corpus loader, with a docstring long enough to be prose."""
+
+
+def {name}_add(a, b):
+    """Add two numbers and return their sum; this docstring is long enough to count as prose text too."""
+    return a + b
+'''
+
+
+def make_dist(site, name, version, metadata_lines, files):
+    """A wheel-style installed distribution: files plus <name>-<version>.dist-info with METADATA and RECORD."""
+    for rel, text in files.items():
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    body = "Long description. " * 20
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.4\n" + f"Name: {name}\nVersion: {version}\n" + "".join(l + "\n" for l in metadata_lines) + "\n" + body
+    )
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files) + f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+
+
+@pytest.fixture()
+def site(tmp_path):
+    site = tmp_path / "site"
+    files = {f"goodpkg/mod{i}.py": CODE.format(name=f"mod{i}", pkg="goodpkg") for i in range(12)}
+    files.update({
+        "goodpkg/__init__.py": CODE.format(name="init", pkg="goodpkg"),
+        "goodpkg/guide.md": "# Guide\n\nThis guide explains how the good package adds numbers together, at length.\n",
+        "goodpkg/tests/test_mod0.py": "def test_secret_tests():\n    assert True  # TESTS-MARKER\n",
+        "goodpkg/_vendor/other.py": "VENDORED_MARKER = 'someone else code under another licence'\n",
+        "goodpkg/data.txt": "0 1 2 3\n4 5 6 7\n8 9 10 11\n",
+    })
+    make_dist(site, "goodpkg", "1.0", ["License-Expression: MIT"], files)
+    make_dist(site, "gplpkg", "2.0", ["License: GPL-3.0-or-later"], {"gplpkg/core.py": "GPL_MARKER = 1\n" * 10})
+    make_dist(
+        site, "classpkg", "0.3",
+        ["Classifier: License :: OSI Approved :: GNU Lesser General Public License v3 (LGPLv3)"],
+        {"classpkg/core.py": "LGPL_MARKER = 1\n" * 10},
+    )
+    return site
+
+
+def corpus_text(corpus: Corpus) -> str:
+    return "\x00".join(t for d in corpus.docs.values() for split in d.values() for t in split)
+
+
+def test_licence_expressions():
+    assert expression_permitted("MIT")
+    assert expression_permitted("Apache-2.0 OR BSD-3-Clause")
+    assert expression_permitted("BSD-2-Clause AND Apache-2.0 WITH LLVM-exception")
+    assert expression_permitted("(MIT OR GPL-3.0-only) AND ISC")
+    assert not expression_permitted("MPL-2.0 AND MIT")  # tqdm's: one copyleft part is enough to refuse
+    assert not expression_permitted("GPL-2.0-only")
+    assert not expression_permitted("LGPL-2.1-only")
+    assert not expression_permitted("Apache-2.0 WITH Classpath-exception-2.0")
+    assert not expression_permitted("Copyright (c) somebody, all rights reserved")
+    assert not expression_permitted("")
+
+
+def test_licence_of_reads_expression_classifiers_and_short_free_text():
+    from email.message import Message
+
+    def meta(**fields):
+        m = Message()
+        for k, vs in fields.items():
+            for v in vs if isinstance(vs, list) else [vs]:
+                m[k.replace("_", "-")] = v
+        return m
+
+    assert licence_of(meta(License_Expression="BSD-3-Clause")).permitted
+    lic = licence_of(meta(Classifier=["License :: OSI Approved :: BSD License", "Programming Language :: Python"]))
+    assert lic.permitted and lic.source == "Classifier"
+    assert licence_of(meta(License="Apache 2.0")).expression == "Apache-2.0"
+    assert not licence_of(meta(License="Copyright (c) 2005 X.\n All rights reserved.\n Redistribution ...")).permitted
+    assert not licence_of(meta(Classifier="License :: Other/Proprietary License")).permitted
+    assert not licence_of(meta()).permitted  # no licence at all: refused
+
+
+def test_corpus_uses_permitted_packages_and_excludes_the_others(site):
+    spec = CorpusSpec(stdlib=False, packages=["goodpkg==1.0", "gplpkg==2.0", "classpkg==0.3"])
+    corpus = load_corpus(spec, search_path=[str(site)])
+    by_name = {s.name: s for s in corpus.sources}
+    assert by_name["goodpkg"].used and by_name["goodpkg"].licence == "MIT"
+    assert by_name["goodpkg"].code_files == 13
+    for excluded in ("gplpkg", "classpkg"):
+        assert not by_name[excluded].used and "not on the allow-list" in by_name[excluded].note
+    text = corpus_text(corpus)
+    assert "mod3_add" in text and "how the good package adds numbers" in text and "Long description." in text
+    for marker in ("GPL_MARKER", "LGPL_MARKER", "TESTS-MARKER", "VENDORED_MARKER", "8 9 10 11"):
+        assert marker not in text, marker
+
+
+def test_corpus_is_deterministic_and_split_by_file(site):
+    spec = CorpusSpec(stdlib=False, packages=["goodpkg==1.0"])
+    a, b = load_corpus(spec, search_path=[str(site)]), load_corpus(spec, search_path=[str(site)])
+    assert a.docs == b.docs and a.sources == b.sources and a.sources[0].sha256
+    for i in range(12):
+        split = "held_out" if is_held_out(f"goodpkg/goodpkg/mod{i}.py") else "train"
+        assert any(f"def mod{i}_add" in t for t in a.docs["code"][split])
+        assert any(f"mod{i}: a module" in t for t in a.docs["prose"][split])  # its docstrings follow the file
+    assert a.docs["code"]["held_out"] and a.docs["code"]["train"]  # 12 files: both splits used
+
+
+def test_corpus_code_cap_is_deterministic(site):
+    spec = CorpusSpec(stdlib=False, packages=["goodpkg==1.0"], max_package_code_chars=600)
+    a, b = load_corpus(spec, search_path=[str(site)]), load_corpus(spec, search_path=[str(site)])
+    assert a.docs == b.docs
+    assert 600 <= a.sources[0].code_chars < 600 + 2 * len(CODE) + 40 and a.sources[0].code_files < 13
+
+
+def test_corpus_refuses_a_version_other_than_the_pinned_one(site):
+    with pytest.raises(VersionMismatch, match=r"goodpkg==1\.1 \(installed: 1\.0\)"):
+        load_corpus(CorpusSpec(stdlib=False, packages=["goodpkg==1.1"]), search_path=[str(site)])
+    with pytest.raises(VersionMismatch, match="missingpkg"):
+        load_corpus(CorpusSpec(stdlib=False, packages=["missingpkg==1.0"]), search_path=[str(site)])
+    skipped = load_corpus(
+        CorpusSpec(stdlib=False, packages=["goodpkg==1.1"], on_version_mismatch="skip"), search_path=[str(site)]
+    )
+    assert not skipped.sources[0].used and "differs from the pinned 1.1" in skipped.sources[0].note
+    assert corpus_text(skipped) == ""  # nothing read
+
+
+def test_named_specs():
+    assert load_spec("shipped") == BuildSpec()  # what replicas/models/weights was built with
+    nxt = load_spec("next")
+    assert nxt.corpus.packages and all("==" in p for p in nxt.corpus.packages)
+    assert nxt.train.distill_sampled_share > 0 and nxt.drafter.causal
+    assert max(nxt.drafter.target_layer_ids) < nxt.target.num_layers
+    with pytest.raises(FileNotFoundError, match="named specs"):
+        load_spec("no-such-spec")
+
+
+# --- resumable training -------------------------------------------------------------------------
+
+TINY_TARGET = TargetSpec(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_positions=128)
+TINY_DRAFTER = DrafterSpec(block=4, num_layers=1, num_heads=2, intermediate_size=64, target_layer_ids=[0, 1])
+TINY_TRAIN = TrainSpec(
+    seq_len=32, target_steps=6, target_batch=4, target_lr=3e-3, lr_schedule="wsd", warmup_steps=2, eval_every=3, eval_windows=2,
+    distill_prompts=8, distill_prompt_len=8, distill_new_tokens=12, distill_sampled_share=0.5, distill_gen_batch=2,
+    drafter_steps=5, drafter_batch=2, drafter_anchors=3,
+)
+
+
+def random_streams(vocab=300, seed=0) -> TokenStreams:
+    rng = np.random.default_rng(seed)
+    streams = {d: {s: rng.integers(1, vocab, 2000).astype(np.int32) for s in ("train", "held_out")} for d in ("code", "prose")}
+    return TokenStreams(streams, 0, {d: {"train": 6000, "held_out": 6000} for d in streams})
+
+
+def roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_target_resume_takes_the_same_next_step_as_an_uninterrupted_run(bf16):
+    streams = random_streams()
+    train = TINY_TRAIN.model_copy(update={"bf16_autocast": bf16})
+    full = TargetTrainer(new_target(TINY_TARGET, 0, 0), streams, train)
+    for _ in range(4):
+        full.run_step()
+
+    first = TargetTrainer(new_target(TINY_TARGET, 0, 0), streams, train)
+    for _ in range(2):
+        first.run_step()
+    saved = roundtrip(first.state_dict())
+    resumed = TargetTrainer(new_target(TINY_TARGET, 0, 99), streams, train)  # other init: the state must overwrite it
+    resumed.load_state_dict(saved)
+    for _ in range(2):
+        resumed.run_step()
+    assert resumed.step == full.step == 4 and resumed.losses == full.losses
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert resumed.rng.bit_generator.state == full.rng.bit_generator.state
+    assert resumed.lr == full.lr
+
+    # Negative control: without the optimiser moments the same two steps land elsewhere.
+    blank = TargetTrainer(new_target(TINY_TARGET, 0, 0), streams, train)
+    partial = {k: v for k, v in saved.items() if k != "optimizer"}
+    blank.model.load_state_dict(partial["model"])
+    blank.rng.bit_generator.state = partial["rng"]
+    blank.step = partial["step"]
+    for _ in range(2):
+        blank.run_step()
+    assert not torch.equal(blank.model.lm_head.weight, full.model.lm_head.weight)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_drafter_resume_takes_the_same_next_step(bf16):
+    train = TINY_TRAIN.model_copy(update={"bf16_autocast": bf16})
+    torch.manual_seed(0)
+    target = new_target(TINY_TARGET, 0, 0).eval()
+    seqs = torch.randint(1, 300, (6, 20))
+
+    def trainer():
+        torch.manual_seed(5)
+        return DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, mask_token_id=1)
+
+    full = trainer()
+    for _ in range(4):
+        full.run_step()
+    first = trainer()
+    for _ in range(2):
+        first.run_step()
+    resumed = trainer()
+    resumed.load_state_dict(roundtrip(first.state_dict()))
+    for _ in range(2):
+        resumed.run_step()
+    assert resumed.losses == full.losses
+    for a, b in zip(full.drafter.parameters(), resumed.drafter.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_compact_checkpoint_is_small_and_resumes_close_to_the_full_one():
+    streams = random_streams()
+    tr = TargetTrainer(new_target(TINY_TARGET, 0, 0), streams, TINY_TRAIN)
+    for _ in range(3):
+        tr.run_step()
+    full = {"format": ckpt.FORMAT, "kind": "full", "phase": "target", "target": tr.state_dict()}
+    small = ckpt.compact(full)
+    assert ckpt.nbytes(small) < 0.33 * ckpt.nbytes(full)  # 3 bytes a parameter instead of 12, plus overheads
+    back = ckpt.expand(roundtrip(small))
+    for k, v in full["target"]["model"].items():
+        torch.testing.assert_close(back["target"]["model"][k], v, rtol=1e-3, atol=1e-4)
+    for idx, s in full["target"]["optimizer"]["state"].items():
+        b = back["target"]["optimizer"]["state"][idx]
+        assert torch.count_nonzero(b["exp_avg"]) == 0  # dropped: re-warms
+        v, w = s["exp_avg_sq"], b["exp_avg_sq"]
+        assert torch.equal(v == 0, w == 0)
+        assert float(((w - v).abs() / v.clamp_min(1e-30))[v > 0].max()) < 0.1
+    assert back["target"]["rng"] == full["target"]["rng"] and back["target"]["step"] == 3
+    resumed = TargetTrainer(new_target(TINY_TARGET, 0, 0), streams, TINY_TRAIN)
+    resumed.load_state_dict(back["target"])
+    loss = resumed.run_step()
+    tr.run_step()
+    assert abs(loss - tr.losses[-1]) < 0.05
+
+
+def test_the_wsd_schedule_can_be_extended_only_before_its_decay():
+    spec = BuildSpec(train=TrainSpec(target_steps=100, lr_schedule="wsd", warmup_steps=10, decay_fraction=0.2))
+    longer = spec.model_copy(update={"train": spec.train.model_copy(update={"target_steps": 200})})
+    state = {"spec": spec.model_dump(mode="json"), "phase": "target", "target": {"step": 50}}
+    build_mod.check_resumable(state, longer)  # step 50 < 80: the constant part of both
+    with pytest.raises(ValueError, match="past the constant learning rate"):
+        build_mod.check_resumable({**state, "target": {"step": 90}}, longer)
+    other = spec.model_copy(update={"train": spec.train.model_copy(update={"target_lr": 1.0})})
+    with pytest.raises(ValueError, match="train.target_lr"):
+        build_mod.check_resumable(state, other)
+
+
+# --- sampled distillation data ------------------------------------------------------------------
+
+def test_sampled_continuations_shape_mix_and_determinism():
+    streams = random_streams()
+    target = new_target(TINY_TARGET, 0, 0).eval()
+    train = TINY_TRAIN
+    prompts, sampled = continuation_plan(streams, train)
+    assert prompts.shape == (8, 8) and sampled.tolist() == [False] * 4 + [True] * 4
+    batches = continuation_batches(prompts, sampled, train.distill_gen_batch)
+    assert [(a, b, s) for a, b, s in batches] == [(0, 2, False), (2, 4, False), (4, 6, True), (6, 8, True)]
+
+    seqs, flags = target_continuations(target, streams, train)
+    assert seqs.shape == (8, 8 + 12) and torch.equal(flags, torch.from_numpy(sampled))
+    assert torch.equal(seqs[:, :8], torch.from_numpy(prompts))
+    # Greedy rows are the argmax chain; sampled rows (T=1) are not.
+    with torch.no_grad():
+        logits = target(input_ids=seqs).logits
+    follows_argmax = (logits[:, 7:-1].argmax(-1) == seqs[:, 8:]).all(-1)
+    assert follows_argmax[:4].all() and not follows_argmax[4:].any()
+    again, _ = target_continuations(target, streams, train)
+    assert torch.equal(seqs, again)
+    # A run that resumes with some batches done produces the same data.
+    resumed, _ = target_continuations(target, streams, train, done={0: seqs[:2], 2: seqs[4:6]})
+    assert torch.equal(seqs, resumed)
+    # Without sampling, the shipped plan: code prompts then prose prompts, all greedy.
+    greedy_only = train.model_copy(update={"distill_sampled_share": 0.0})
+    p0, s0 = continuation_plan(streams, greedy_only)
+    rng = np.random.default_rng(train.seed + 1)
+    half = int(round(8 * train.distill_code_share))
+    want = np.concatenate([streams.windows("code", "train", 8, half, rng), streams.windows("prose", "train", 8, 8 - half, rng)])
+    assert np.array_equal(p0, want) and not s0.any()
+
+
+# --- the whole build, interrupted in every phase --------------------------------------------------
+
+def tiny_corpus(_spec=None) -> Corpus:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "value", "result", "index", "count", "the", "of", "and", "returns"]
+    corpus = Corpus()
+    for i in range(40):
+        names = rng.choice(words, 6)
+        code = textwrap.dedent(f"""\
+            def {names[0]}_{i}({names[1]}, {names[2]}):
+                {names[3]} = {names[1]} + {names[2]} * {i}
+                return {names[3]}
+            """) * 3
+        prose = " ".join(rng.choice(words, 60)) + "."
+        corpus.add("code", f"code{i}", code)
+        corpus.add("prose", f"prose{i}", prose)
+    return corpus
+
+
+def tiny_spec() -> BuildSpec:
+    return BuildSpec(target=TINY_TARGET, drafter=TINY_DRAFTER, train=TINY_TRAIN)
+
+
+def test_build_interrupted_in_each_phase_resumes_to_the_same_models(tmp_path, monkeypatch):
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    quiet = lambda _msg: None  # noqa: E731
+    ref = build_mod.build(tmp_path / "ref", tiny_spec(), checkpoint_dir=tmp_path / "ref-ckpt", log=quiet)
+
+    out, cdir = tmp_path / "out", tmp_path / "ckpt"
+    for stop in (("target", 3), ("continuations", 2), ("drafter", 2)):
+        with pytest.raises(build_mod.Interrupted):
+            build_mod.build(out, tiny_spec(), checkpoint_dir=cdir, resume=True, log=quiet, stop_after=lambda p, s, stop=stop: (p, s) == stop)
+        assert ckpt.load(cdir / ckpt.STATE_FILE)["phase"] == stop[0]
+    report = build_mod.build(out, tiny_spec(), checkpoint_dir=cdir, resume=True, log=quiet)
+
+    for f in ("target/model.safetensors", "drafter/model.safetensors", "target/tokenizer.json"):
+        assert (out / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+    assert report.domains == ref.domains and report.resumes == 3
+    assert report.domains["code"].offline_acceptance_t1 and report.domains["code"].bits_per_char > 0
+    for stage in ("target", "continuations", "drafter"):
+        assert (cdir / f"{stage}-done.compact.pt").is_file()
+    assert (cdir / "progress.jsonl").read_text().count('"eval"') >= 2
+
+    # A compact checkpoint resumes too (float16 weights, re-warmed moments): close, not identical.
+    out2 = tmp_path / "from-compact"
+    report2 = build_mod.build(out2, tiny_spec(), resume_from=cdir / "continuations-done.compact.pt", log=quiet)
+    assert abs(report2.domains["code"].perplexity - ref.domains["code"].perplexity) < 0.02 * ref.domains["code"].perplexity
+
+
+def test_resume_refuses_another_spec(tmp_path, monkeypatch):
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    cdir = tmp_path / "ckpt"
+    with pytest.raises(build_mod.Interrupted):
+        build_mod.build(tmp_path / "o", tiny_spec(), checkpoint_dir=cdir, log=lambda _m: None, stop_after=lambda p, s: p == "target" and s == 2)
+    other = tiny_spec()
+    other.train.kl_weight = 2.0
+    with pytest.raises(ValueError, match="train.kl_weight"):
+        build_mod.build(tmp_path / "o", other, checkpoint_dir=cdir, resume=True, log=lambda _m: None)
+
+
+def test_sigterm_saves_the_state_and_stops(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def send_sigterm_at_step_2(phase, step):
+        if (phase, step) == ("target", 2):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
+    cdir = tmp_path / "ckpt"
+    with pytest.raises(build_mod.Interrupted, match="target step 3"):
+        build_mod.build(tmp_path / "o", tiny_spec(), checkpoint_dir=cdir, log=lambda _m: None, stop_after=send_sigterm_at_step_2)
+    state = ckpt.load(cdir / ckpt.STATE_FILE)
+    assert state["phase"] == "target" and state["target"]["step"] == 3
+    assert signal.getsignal(signal.SIGTERM) == before  # the build's handler is gone again
+
+
+def test_progress_fit_finds_where_a_known_curve_reaches_the_target(tmp_path):
+    import json
+    import math
+
+    from replicas.models.progress import fit_domain, format_progress
+
+    # log ppl = 2.0 + 40 * s^-0.5: perplexity 12 (log 2.4849) at s = (40 / 0.4849)^2 = 6805
+    path = tmp_path / "progress.jsonl"
+    with path.open("w") as f:
+        for step in range(250, 3001, 250):
+            ppl = math.exp(2.0 + 40 * step**-0.5)
+            f.write(json.dumps({"phase": "target", "step": step, "loss": 1.0, "seconds": step * 3.0}) + "\n")
+            f.write(json.dumps({"event": "checkpoint", "phase": "target"}) + "\n")
+            f.write(json.dumps({"phase": "target", "step": step, "eval": {"code": {"perplexity": ppl}, "prose": {"perplexity": 2 * ppl}}}) + "\n")
+    from replicas.models.progress import read_progress
+
+    fit = fit_domain(read_progress(path)[1], "code", 12.0)
+    assert fit.step_at_target == pytest.approx(6805, rel=0.03) and fit.alpha == pytest.approx(0.5, abs=0.02)
+    prose = fit_domain(read_progress(path)[1], "prose", 12.0)  # floor 2 x e^2 = 14.8 > 12: never
+    assert prose.step_at_target is None and "levels off" in prose.note
+    code_line = next(line for line in format_progress(path).splitlines() if line.startswith("code:"))
+    assert "about 3.2 h from now at 3.00 s/step" in code_line  # (6805 - 3000) steps x 3 s

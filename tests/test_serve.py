@@ -88,8 +88,15 @@ def test_each_replicas_engine_core_runs_the_v1_runner_in_its_own_process(app):
 
     from replicas.wcs.config import RUNNER_ENV
 
-    handle = serve.get_deployment_handle("EngineReplica", app_name="forespark")
-    infos = [handle.runner_info.remote().result(timeout_s=60) for _ in range(4)]
+    async def ask() -> list[dict]:
+        handle = serve.get_deployment_handle("EngineReplica", app_name="forespark")
+        return [await handle.runner_info.remote() for _ in range(4)]
+
+    # The throughput mode runs a handle's router on the caller's event loop, which must outlive the handle:
+    # one that runs on in a thread of its own until the process ends.
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    infos = asyncio.run_coroutine_threadsafe(ask(), loop).result(timeout=120)
     for info in infos:
         (rank,) = info["ranks"]  # TP 1: the worker runs inside the engine-core process
         assert rank["pid"] != info["pid"]  # AsyncLLM's engine core is the replica's child process

@@ -420,3 +420,17 @@ def test_progress_fit_finds_where_a_known_curve_reaches_the_target(tmp_path):
     assert prose.step_at_target is None and "levels off" in prose.note
     code_line = next(line for line in format_progress(path).splitlines() if line.startswith("code:"))
     assert "about 3.2 h from now at 3.00 s/step" in code_line  # (6805 - 3000) steps x 3 s
+
+
+def test_a_checkpoint_folder_in_use_by_a_live_build_is_refused(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    cdir = tmp_path / "ckpt"
+    cdir.mkdir()
+    (cdir / "build.pid").write_text(f"{os.getppid()}\n")  # a live process that is not this one
+    with pytest.raises(RuntimeError, match=f"build process {os.getppid()} is using"):
+        build_mod.build(tmp_path / "o", tiny_spec(), checkpoint_dir=cdir, resume=True, log=lambda _m: None, estimate_only=True)
+    (cdir / "build.pid").write_text("999999999\n")  # stale: no such process
+    assert build_mod.build(tmp_path / "o", tiny_spec(), checkpoint_dir=cdir, resume=True, log=lambda _m: None, estimate_only=True) is None
+    assert (cdir / "build.pid").read_text().strip() == str(os.getpid())

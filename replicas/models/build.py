@@ -249,6 +249,32 @@ def remaining_estimate(spec: BuildSpec, unit: dict[str, float], phase: str, targ
     return out
 
 
+def claim_checkpoint_dir(checkpoint_dir: Path) -> None:
+    """Refuse a folder that another live build process writes to (its pid in `build.pid`), then claim it."""
+    import os
+
+    lock = checkpoint_dir / "build.pid"
+    if lock.is_file():
+        try:
+            pid = int(lock.read_text().split()[0])
+        except (ValueError, IndexError):
+            pid = None
+        if pid and pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+            if alive:
+                raise RuntimeError(
+                    f"build process {pid} is using {checkpoint_dir} (stopped or running); end it first "
+                    f"(kill -TERM {pid} saves its state; kill -CONT first if it is stopped)"
+                )
+    lock.write_text(f"{os.getpid()}\n")
+
+
 def build(
     out_dir: Path,
     spec: BuildSpec | None = None,
@@ -274,6 +300,7 @@ def build(
     out_dir.mkdir(parents=True, exist_ok=True)
     if checkpoint_dir is not None:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        claim_checkpoint_dir(checkpoint_dir)
     state = None
     if resume_from is not None:
         state = ckpt.load(Path(resume_from))

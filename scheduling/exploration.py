@@ -24,9 +24,13 @@ class ProbeSchedule:
         self.max_backoff = max_backoff
         self._since: dict[str, int] = {}  # request -> its steps since its last verified draft (or arrival)
         self._every: dict[str, int] = {}  # request -> its current interval
+        self._step = 0  # engine steps observed
+        self._last_round = -interval  # the step of the last probe round (a round is open at once)
+        self.round_every = interval  # engine steps from one probe round to the next
 
     def observe(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> bool:
-        """One step of these requests; True when some of them are due for a probe next."""
+        """One step of these requests; True when some of them are due for a probe next and a probe round is open."""
+        self._step += 1
         due = False
         for r, v, a in zip(req_ids, np.asarray(verified).tolist(), np.asarray(accepted).tolist()):
             if v > 0:
@@ -38,7 +42,20 @@ class ProbeSchedule:
             else:
                 since = self._since[r] = self._since.get(r, 0) + 1
                 due = due or since >= self._every.get(r, self.interval)
-        return due
+        return due and self.round_open()
+
+    def round_open(self) -> bool:
+        """A step that drafts only to probe may run now."""
+        return self._step - self._last_round >= self.round_every
+
+    def probed(self) -> None:
+        """This step was a probe round (the planner alone would have drafted nothing): the next opens later."""
+        self._last_round = self._step
+        self.round_every = min(2 * self.round_every, self.interval * self.max_backoff)
+
+    def drafting(self) -> None:
+        """The planner drafted on its own this step: probe rounds are back to their base interval."""
+        self.round_every = self.interval
 
     def due(self, req_ids: list[str]) -> np.ndarray:
         """(B,) int64: 1 for the requests due for a probe, else 0."""

@@ -7,34 +7,48 @@ processes on the same CPUs, and a drafter that stores the context of every
 step it skipped before it drafts. Measured under load on this machine
 (`forespark bench engine` workloads, step log against the profile): decode
 steps without drafts ran 2-8 ms shorter than profiled, drafting steps 3-7 ms
-longer, and steps with prefill chunks 10-30 ms longer.
+longer at a dozen requests and 8-10 ms longer at 64 (there the drafter's
+share of a step was 1.8 times its profile), and steps with prefill chunks
+10-30 ms longer.
 
 `OnlineCostModel` regresses the residual (measured period minus the
 profile's prediction for that step's R, D and N) over the last `window`
-steps on three columns: 1, [D > 0] and the step's prefill tokens. The
-constant moves the profiled intercept: to the planner it is work it cannot
-change, and it makes every drafted token cheaper relative to the step. The
-prefill term moves nothing: prefill is work per request, done once whatever
-the steps look like (fewer, longer steps carry more of it each), so counting
-it into every step's intercept makes drafting look cheaper than it is. In
-an engine at 12 requests of the mixed workload (three interleaved runs
-each) the planner with prefill in the intercept drafted in 37% of the steps
-at 2595 tokens/s, without it in none at 2703 (`ar`: 2931). The [D > 0] part
-moves the drafter's launch cost, which the planner weighs against a whole
-step's gain, so a drafter that costs more than profiled is run less often
-(putting it into the intercept instead made the planner draft more, the
-wrong way). The two extra coefficients are pulled towards zero, i.e. the
-profile, by a ridge prior worth `prior_weight` steps: a window with few
-drafting steps moves the launch cost little, and a window with none hands it
-back to the profile, so one expensive flush cannot stop drafting for good
-(keeping the last estimate instead did exactly that in an engine run: +19 ms
-on the launch from a handful of steps, then no drafting step to revise it).
-No throughput change showed in engine runs at 32 requests (code, prose and
-mixed batches against `ar`, within this machine's 5-10% run-to-run spread);
-what it removes is a bias. Slopes stay the profile's: scaling them
-by the runner's slow-down was tried under serving load here and priced
-drafts too high. Fed only with timings and counts, never with draft tokens,
-so it keeps every policy lossless.
+steps on five columns: 1, [D > 0], the profile's per-token drafting time
+g_draft(D), the drafter context rows the step stored before drafting
+(context of earlier steps that did not draft) and the step's prefill tokens.
+
+- The constant moves the profiled intercept: to the planner it is work it
+  cannot change, and it makes every drafted token cheaper relative to the
+  step.
+- [D > 0] moves the drafter's launch cost, which the planner weighs against
+  a whole step's gain, so a drafter that costs more than profiled is run
+  less often (putting it into the intercept instead made the planner draft
+  more, the wrong way).
+- g_draft(D) scales the drafted-token slopes: at 64 requests the launch
+  alone could not price a step drafting 120 tokens, and the planner kept
+  drafting at a loss (wcs 0.85x of `ar` in the engine bench).
+- Context rows price staying ready to draft: a step that drafts after a
+  run of steps without drafts first stores all their context, at a cost per
+  row the planner adds to that step's launch (`launch_ms(rows)`).
+- The prefill term moves nothing: prefill is work per request, done once
+  whatever the steps look like (fewer, longer steps carry more of it each),
+  so counting it into every step's intercept makes drafting look cheaper
+  than it is. In an engine at 12 requests of the mixed workload the planner
+  with prefill in the intercept drafted in 37% of the steps at 2595
+  tokens/s, without it in none at 2703 (`ar`: 2931).
+
+Every coefficient but the constant is pulled towards zero, i.e. the profile,
+by a ridge prior worth `prior_weight` typical steps of its column, so a
+handful of drafting steps moves the drafting terms little. Drafting steps
+are kept in a window of their own: a long stretch without drafts (the
+controller holding, or another policy in the engine bench) does not hand
+the drafting terms back to the profile, which made the planner return to
+drafting at a loss every `window` steps. They are revised by the next
+drafting steps, which exploration's probes keep coming (without probes one
+expensive flush could stop drafting for good: +19 ms on the launch from a
+handful of steps in an engine run, then no drafting step to revise it).
+Fed only with timings and counts, never with draft tokens, so it keeps every
+policy lossless.
 """
 
 from __future__ import annotations
@@ -44,7 +58,9 @@ import numpy as np
 from scheduling.cost_model import StepCostModel
 
 PREFILL_UNIT = 100.0  # prefill tokens per regression unit (keeps the columns on one scale)
+CONTEXT_UNIT = 100.0  # drafter context rows per regression unit
 MIN_INTERCEPT_MS = 0.01
+MIN_DRAFT_SCALE = 0.25  # the served drafted-token slopes never fall below this share of the profile's
 
 
 class OnlineCostModel:
@@ -63,9 +79,15 @@ class OnlineCostModel:
         self.refresh_every = refresh_every
         self.min_change_ms = min_change_ms
         self.prior_weight = prior_weight  # steps' worth of evidence that the profile's launch cost is right
-        self._x = np.zeros((window, 3))  # 1, drafted at all, prefill tokens / PREFILL_UNIT
-        self._y = np.zeros(window)
+        # The last `window` steps without drafts and, apart, the last `window` drafting steps, so a long run
+        # without drafting (or another policy's) does not wash out what drafting was seen to cost.
+        # Columns: 1, drafted at all, profiled g_draft(D), context rows, prefill tokens.
+        self._x = np.zeros((2, window, 5))
+        self._y = np.zeros((2, window))
+        self._seen = [0, 0]  # steps observed without drafts, drafting
         self.seen = 0  # steps observed
+        self.draft_scale = 1.0  # served drafted-token slopes over the profile's
+        self.context_ms_per_row = 0.0  # what storing one deferred context row adds to a drafting step
 
     @property
     def offset_ms(self) -> float:
@@ -77,21 +99,41 @@ class OnlineCostModel:
         """What the served model adds to the profiled drafter launch cost."""
         return self.model.draft_launch_ms - self.profiled.draft_launch_ms
 
-    def observe(self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0) -> None:
+    def launch_ms(self, context_rows: int = 0) -> float:
+        """The served launch cost of a step that first stores `context_rows` deferred context rows."""
+        return self.model.draft_launch_ms + self.context_ms_per_row * context_rows
+
+    def observe(
+        self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0, context_rows: int = 0
+    ) -> None:
         """One step with `requests` planned requests, `drafted` draft tokens, `target` tokens as the
         planner counts them (requests + verified drafts) and `prefill` more target tokens of prefill
-        chunks took `period_ms` from its start to the next's."""
-        i = self.seen % len(self._y)
-        self._x[i] = (1.0, float(drafted > 0), prefill / PREFILL_UNIT)
-        self._y[i] = period_ms - self.profiled.step_ms(requests, drafted, target)
+        chunks took `period_ms` from its start to the next's; before drafting it stored `context_rows`
+        rows of drafter context deferred by earlier steps."""
+        drafting = int(drafted > 0)  # (an int: numpy reads a bool index as a mask)
+        j = self._seen[drafting] % self._y.shape[1]
+        self._seen[drafting] += 1
+        self._x[drafting, j] = (
+            1.0,
+            float(drafting),
+            float(self.profiled.drafted(float(drafted))),
+            context_rows / CONTEXT_UNIT if drafting else 0.0,
+            prefill / PREFILL_UNIT,
+        )
+        self._y[drafting, j] = period_ms - self.profiled.step_ms(requests, drafted, target)
         self.seen += 1
         if self.seen % self.refresh_every == 0:
             self._refresh()
 
     def _refresh(self) -> None:
-        n = min(self.seen, len(self._y))
-        x, y = self._x[:n], self._y[:n]
-        prior = np.diag([0.0, self.prior_weight, self.prior_weight])
+        n = [min(seen, self._y.shape[1]) for seen in self._seen]
+        x = np.concatenate([self._x[0, : n[0]], self._x[1, : n[1]]])
+        y = np.concatenate([self._y[0, : n[0]], self._y[1, : n[1]]])
+        # Each column's prior is worth `prior_weight` steps of its typical (mean square over drafting steps) size.
+        drafting = x[:, 1] > 0
+        typical = (x[drafting] ** 2).mean(axis=0) if drafting.any() else np.ones(5)
+        typical[4] = 1.0
+        prior = np.diag(np.concatenate([[0.0], self.prior_weight * np.maximum(typical[1:], 1e-6)]))
         coef = np.linalg.solve(x.T @ x + prior, x.T @ y)  # positive definite: n > 0 on the constant, the prior on the rest
         fixed = float(coef[0])  # the prefill coefficient only keeps prefill out of the constant
         # The served model must stay a step-cost model: a non-negative intercept and launch cost. Plain floats:
@@ -100,5 +142,18 @@ class OnlineCostModel:
         # intercept, and a step predicted to cost nothing at all breaks every tokens-per-ms ratio.)
         intercept = max(self.profiled.intercept_ms + fixed, MIN_INTERCEPT_MS)
         launch = max(self.profiled.draft_launch_ms + float(coef[1]), 0.0)
-        if abs(intercept - self.model.intercept_ms) >= self.min_change_ms or abs(launch - self.model.draft_launch_ms) >= self.min_change_ms:
-            self.model = self.profiled.model_copy(update={"intercept_ms": intercept, "draft_launch_ms": launch})
+        scale = max(1.0 + float(coef[2]), MIN_DRAFT_SCALE)
+        self.context_ms_per_row = max(float(coef[3]) / CONTEXT_UNIT, 0.0)
+        reference = float(self.profiled.drafted(64.0))  # how far a new scale moves a typical step's drafting
+        if (
+            abs(intercept - self.model.intercept_ms) >= self.min_change_ms
+            or abs(launch - self.model.draft_launch_ms) >= self.min_change_ms
+            or abs(scale - self.draft_scale) * reference >= self.min_change_ms
+        ):
+            drafted = self.profiled.drafted
+            if scale != 1.0:
+                drafted = drafted.model_copy(update={"slopes": [scale * v for v in drafted.slopes]})
+            self.draft_scale = scale
+            self.model = self.profiled.model_copy(
+                update={"intercept_ms": intercept, "draft_launch_ms": launch, "drafted": drafted}
+            )

@@ -8,7 +8,14 @@
 | wcs    | (0, w), estimator gains      | post-draft sorted    |
 | oracle | (a+1, a+1), a = true accepts | all drafted          |
 
-With `whole_blocks`, wcs takes the better of the plans (w, w) and (0, 0).
+wcs drafts only when its plan beats the plan of its floors alone (no drafts
+but due probes) by `margin` in predicted tokens per ms: near break-even the
+sign of the gain is decided by what the step model does not see (at 64
+requests on this CPU, drafting steps priced within 5% by the online cost
+model, with drafts realising 96-99% of the acceptance predicted, still lost
+to `ar`: speculation spreads finishing requests, and with them the new
+requests' prefill, over more steps). With `whole_blocks`, wcs takes the
+better of the plans (w, w) and (lo, lo) by the same rule.
 
 No policy has a code path of its own: each only chooses the bounds passed to
 `plan_step` and the verify floor passed to `distribute_verify_budget`.
@@ -52,6 +59,7 @@ class Policy(BaseModel):
         description="wcs drafts every request's widest block or nothing in a step (for drafters whose truncated blocks "
         "lose acceptance): the better of the two plans",
     )
+    margin: float = Field(default=0.0, ge=0.0, description="wcs: the predicted gain a plan with drafts must show")
 
     @property
     def verifies_all_drafted(self) -> bool:
@@ -106,10 +114,13 @@ class Policy(BaseModel):
                 validate=validate,
             )
 
-        if self.whole_blocks and self.name == PolicyName.WCS:
-            full, none = best(hi, hi), best(lo, lo)
-            return full if full.tokens_per_ms > none.tokens_per_ms else none
-        return best(lo, hi)
+        if self.name != PolicyName.WCS:
+            return best(lo, hi)
+        plan = best(hi, hi) if self.whole_blocks else best(lo, hi)
+        if not self.whole_blocks and (self.margin == 0.0 or np.array_equal(plan.draft, lo)):
+            return plan
+        floor = best(lo, lo)
+        return plan if plan.tokens_per_ms > floor.tokens_per_ms * (1.0 + self.margin) else floor
 
     def verify(
         self, post_survival: np.ndarray, plan: DraftPlan, cost: StepCostModel, limits: StepLimits

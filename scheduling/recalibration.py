@@ -62,3 +62,53 @@ class OnlineRecalibrator:
             return survival
         hazards = np.clip(hazards_from_survival(survival), _EPS, 1.0 - _EPS)
         return survival_from_hazards(sigmoid(logit(hazards) + self.offset))
+
+
+class RealisedGain:
+    """What a drafted position turns into, against what the plan expected of it.
+
+    The planner drafts position j of request i for the survival s_ij it was
+    given; the position pays only if it is then verified (the post-draft
+    allocator may cut it) and accepted. Per position j this keeps decayed sums
+    over drafted slots of the expected s_ij (E_j) and of the realised outcome
+    (R_j: 1 when verified and every draft up to j accepted, else 0), and scales
+    later plans' survival by r_j = (R_j + m r) / (E_j + m r') (pooled rates r,
+    r' as prior, `pseudo_rows` = m), capped at 1 and kept non-increasing along j,
+    so plans count the tokens drafting has been realising, not those it was
+    promised. The selection the planner makes (drafting where survival looks
+    highest) and the allocator's cuts both show up here and nowhere else.
+    Uses only verdicts of earlier steps: plans stay lossless.
+    """
+
+    def __init__(self, k: int, decay: float = 0.99, pseudo_rows: float = 20.0) -> None:
+        if not 0.0 < decay <= 1.0 or pseudo_rows <= 0:
+            raise ValueError("need 0 < decay <= 1 and pseudo_rows > 0")
+        self.k = k
+        self.decay = decay
+        self.pseudo_rows = pseudo_rows
+        self.expected = np.zeros(k)
+        self.realised = np.zeros(k)
+        self.slots = np.zeros(k)
+        self.ratio = np.ones(k)
+
+    def update(self, survival: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, verified: np.ndarray) -> None:
+        """Requests that drafted `drafted` (N,) positions on `survival` (N, K): `verified` (N,) of them were
+        verified and `accepted` (N,) accepted."""
+        j = np.arange(self.k)[None, :]
+        slot = j < np.asarray(drafted)[:, None]
+        won = slot & (j < np.minimum(accepted, verified)[:, None])
+        self.slots = self.decay * self.slots + slot.sum(axis=0)
+        self.expected = self.decay * self.expected + np.where(slot, survival, 0.0).sum(axis=0)
+        self.realised = self.decay * self.realised + won.sum(axis=0)
+        n = self.slots.sum()
+        if n <= 0:
+            return
+        m = self.pseudo_rows
+        per_slot_realised, per_slot_expected = self.realised.sum() / n, self.expected.sum() / n
+        ratio = (self.realised + m * per_slot_realised) / np.maximum(self.expected + m * per_slot_expected, _EPS)
+        self.ratio = np.minimum.accumulate(np.clip(ratio, 0.0, 1.0))
+
+    def apply(self, survival: np.ndarray) -> np.ndarray:
+        if (self.ratio >= 1.0).all():
+            return survival
+        return survival * self.ratio[None, :]

@@ -109,3 +109,70 @@ def test_a_due_probe_ends_a_hold_and_drafts_one_token_for_that_request_only():
         drafts.append(ctl.plan(batch, features, np.full(len(batch), K)).tolist())
     # "old" has gone 4 of its steps without a verdict at step 3 (its probe is planned at once), "new" only 3.
     assert drafts[:3] == [[0], [0, 0], [0, 0]] and drafts[3] == [1, 0]
+
+
+def test_probe_rounds_back_off_while_the_planner_drafts_nothing_and_reset_when_it_drafts():
+    probes = ProbeSchedule(interval=4, max_backoff=4)
+    assert probes.round_open()
+    probes.probed()
+    assert probes.round_every == 8 and not probes.round_open()
+    probes.probed()
+    probes.probed()
+    assert probes.round_every == 16  # capped at interval * max_backoff
+    probes.drafting()
+    assert probes.round_every == 4
+
+
+def probing_steps(cost: StepCostModel, steps: int = 256, batch: int = 16) -> int:
+    """Steps that draft, in an engine whose estimator is right that drafts are accepted at 0.5."""
+    ctl = StepController(WCSConfig(explore_every=4), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=cost)
+    ids, rng = [f"r{i}" for i in range(batch)], np.random.default_rng(0)
+    verified = accepted = np.zeros(batch, np.int64)
+    drafting = 0
+    for _ in range(steps):
+        ctl.observe(ids, verified, accepted)
+        features = None if ctl.holds_no_drafts() else np.zeros((batch, 8))
+        draft = ctl.plan(ids, features, np.full(batch, K))
+        verified = ctl.verify(np.full((batch, K), 0.9)) if draft.any() else np.zeros(batch, np.int64)
+        accepted = np.minimum(np.cumprod(rng.random((batch, K)) < 0.5, axis=1).sum(axis=1), verified)
+        drafting += bool(draft.any())
+    return drafting
+
+
+def test_an_engine_where_drafting_does_not_pay_probes_ever_more_rarely():
+    """Every request falls due every few of its steps, but they are probed together in rounds that back off
+    while the planner drafts nothing on its own (per-request probes had a loaded engine drafting in nearly
+    every step). Nothing is trapped: rounds keep coming. Control: where drafting pays, every step drafts."""
+    dear = TRAP_COST.model_copy(update={"draft_launch_ms": 40.0})
+    rounds = probing_steps(dear)
+    assert 5 <= rounds <= 12, rounds
+    assert probing_steps(TRAP_COST) == 256
+
+
+def test_realised_gain_counts_drafts_the_allocator_cut_as_lost():
+    """Half of every request's drafted positions are never verified: the planner is told it realises about
+    half of what it was promised there. Control: drafts verified and accepted as predicted leave plans alone."""
+    from scheduling.recalibration import RealisedGain
+
+    rng = np.random.default_rng(0)
+    cut, kept = RealisedGain(K), RealisedGain(K)
+    survival = np.tile(0.9 ** np.arange(1, K + 1), (32, 1))
+    for _ in range(200):
+        drafted = np.full(32, K)
+        accepted = np.cumprod(rng.random((32, K)) < 0.9, axis=1).sum(axis=1)
+        cut.update(survival, drafted, accepted, verified=np.full(32, K // 2))
+        kept.update(survival, drafted, accepted, verified=drafted)
+    assert np.all(kept.ratio > 0.9) and np.allclose(kept.apply(survival), survival, atol=0.1)
+    assert cut.ratio[0] > 0.9 and np.all(cut.ratio[K // 2 :] < 0.75)
+    assert np.all(np.diff(cut.apply(survival), axis=1) <= 0)  # still a survival curve
+
+
+def test_wcs_drafts_only_for_a_gain_above_its_margin():
+    from scheduling.policies import Policy, StepLimits
+
+    cost = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.0, per_draft_ms=0.1, per_target_ms=0.1, draft_launch_ms=6.0)
+    survival = np.tile(0.5 ** np.arange(1, K + 1), (4, 1))  # the best plan gains about 4%
+    plans = {m: Policy(name="wcs", k=K, margin=m).plan(survival, cost, StepLimits(), np.full(4, K)) for m in (0.0, 0.05)}
+    gain = plans[0.0].tokens_per_ms / (4 / cost.step_ms(4, 0, 4))
+    assert 1.0 < gain < 1.05 and plans[0.0].draft.any()
+    assert not plans[0.05].draft.any()

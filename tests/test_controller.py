@@ -23,9 +23,11 @@ def controller(cost: StepCostModel, replan_every: int, replan_max: int | None = 
 
 
 def step(ctl: StepController, batch: int = 3) -> np.ndarray:
-    """One step as the runner drives it: features only when the controller plans."""
+    """One step as the runner drives it: features only when the controller plans; last step's drafts were
+    all verified and accepted."""
     ids = [f"r{i}" for i in range(batch)]
-    ctl.observe(ids, np.zeros(batch, np.int64), np.zeros(batch, np.int64))
+    last = ctl._draft if len(ctl._draft) == batch else np.zeros(batch, np.int64)
+    ctl.observe(ids, last.copy(), last.copy())
     features = None if ctl.holds_no_drafts() else np.zeros((batch, 8))
     draft = ctl.plan(ids, features, np.full(batch, K))
     if draft.any():

@@ -77,6 +77,12 @@ class WCSConfig(BaseModel):
         description="move the estimator's per-position predictions to the acceptance realised while serving "
         "(scheduling/recalibration.py)",
     )
+    draft_margin: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="wcs drafts in a step only when the plan's predicted tokens per ms beat drafting nothing by "
+        "this share (scheduling/policies.py): near break-even, what a step model misses decides the sign",
+    )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 

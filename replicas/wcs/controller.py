@@ -38,13 +38,15 @@ from scheduling.exploration import ProbeSchedule
 from scheduling.online_cost import OnlineCostModel
 from scheduling.planner import DraftPlan
 from scheduling.policies import Policy, PolicyName, StepLimits
-from scheduling.recalibration import OnlineRecalibrator
+from scheduling.recalibration import OnlineRecalibrator, RealisedGain
 from scheduling.survival import hazards_from_survival
 from scheduling.traces import PreDraftInputs, Traces
 
 logger = logging.getLogger(__name__)
 
 # Used only until the engine's own profile is loaded (`replicas.wcs.profiler`); logged when used.
+# Launch costs priced with deferred context are rounded to this, so a handful of model copies serve all steps.
+LAUNCH_QUANTUM_MS = 0.25
 UNPROFILED_COST = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.02, per_target_ms=0.05)
 
 
@@ -85,6 +87,7 @@ class StepController:
         self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms, pace_tpot_ms=config.pace_tpot_ms)
         self.tracker = AcceptanceTracker(k, config.history_decay)
         self.recalibrator = OnlineRecalibrator(k) if config.recalibrate else None
+        self.gain = RealisedGain(k) if config.recalibrate else None
         self.probes = ProbeSchedule(config.explore_every) if config.explore_every else None
         self._probes_due = False  # some request is due for a probe: do not hold
         self.set_policy(config.policy)
@@ -97,9 +100,17 @@ class StepController:
         self._survival = np.zeros((0, k))  # pre-draft survival the plan was made on
         self._draft = np.zeros(0, dtype=np.int64)
         self._paced_from: dict[str, tuple[float, int]] = {}  # request -> (when it was first planned, tokens it had then)
+        self._step_cost: StepCostModel | None = None  # what this step's plan was priced with
+        self._priced_for: StepCostModel | None = None
+        self._priced_cache: dict[float, StepCostModel] = {}
 
     def set_policy(self, name: PolicyName | str) -> None:
-        self.policy = Policy(name=PolicyName(name), k=self.k, whole_blocks=self.config.draft_widths == "whole_blocks")
+        self.policy = Policy(
+            name=PolicyName(name),
+            k=self.k,
+            whole_blocks=self.config.draft_widths == "whole_blocks",
+            margin=self.config.draft_margin,
+        )
         if self.policy.name == PolicyName.ORACLE:
             raise ValueError("the oracle policy needs true acceptances: replay and simulation only")
         self.stats = WCSStats(policy=self.policy.name.value, k=self.k)
@@ -132,12 +143,26 @@ class StepController:
         """What the online correction adds to the profiled drafter launch cost now."""
         return 0.0 if self._online is None else self._online.launch_offset_ms
 
-    def observe_step(self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0) -> None:
+    def priced(self, context_rows: int) -> StepCostModel:
+        """`cost_model` with this step's launch cost: the drafter first stores `context_rows` deferred rows."""
+        model, online = self.cost_model, self._online
+        if online is None or not context_rows or online.context_ms_per_row <= 0.0:
+            return model
+        launch = round(online.launch_ms(context_rows) / LAUNCH_QUANTUM_MS) * LAUNCH_QUANTUM_MS
+        if self._priced_for is not model:  # a new served model: the copies priced from the old one are stale
+            self._priced_for, self._priced_cache = model, {}
+        if launch not in self._priced_cache:
+            self._priced_cache[launch] = model.model_copy(update={"draft_launch_ms": launch})
+        return self._priced_cache[launch]
+
+    def observe_step(
+        self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0, context_rows: int = 0
+    ) -> None:
         """A served step (see `OnlineCostModel.observe`). Profiling steps are not fed: the profile is fitted on
         them. Without `config.online_cost` the profile alone prices steps."""
         online = self._online
         if online is not None and self.profiling is None and self.config.online_cost:
-            online.observe(requests, drafted, target, period_ms, prefill)
+            online.observe(requests, drafted, target, period_ms, prefill, context_rows)
             if online.seen % 1024 == 0:
                 logger.info(
                     "step cost online: %+.1f ms on the profiled intercept, %+.1f ms on the drafter launch",
@@ -150,6 +175,8 @@ class StepController:
         self.stats.add_positions("verified_per_pos", verified)
         self.stats.add_positions("accepted_per_pos", accepted)
         self.stats.verify_steps += int((verified > 0).sum())
+        if self.gain is not None and self.profiling is None and self._draft.any():
+            self._observe_gain(req_ids, verified, accepted)
         if self.probes is not None and self._ever_drafts:
             self._probes_due = self.probes.observe(req_ids, verified, accepted)
         verdicts = self.tracker.verdicts(req_ids, verified, accepted)
@@ -165,6 +192,14 @@ class StepController:
         if self.recorded is not None:
             self.recorded.append(rows)
 
+    def _observe_gain(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> None:
+        """The last plan's drafted slots against what became of them (`RealisedGain`)."""
+        where = {r: n for n, r in enumerate(req_ids)}
+        rows = [(m, where[r]) for m, r in enumerate(self._req_ids) if self._draft[m] > 0 and r in where]
+        if rows and len(self._survival) == len(self._req_ids):
+            last, now = (np.array(x) for x in zip(*rows))
+            self.gain.update(self._survival[last], self._draft[last], accepted[now], verified[now])
+
     def plan(
         self,
         req_ids: list[str],
@@ -172,10 +207,12 @@ class StepController:
         max_width: np.ndarray,
         share: Callable[[Any], Any] | None = None,
         generated: np.ndarray | None = None,
+        context_rows: int = 0,
     ) -> np.ndarray:
         """Draft widths d_i <= max_width_i (0 for requests that cannot use a draft now).
 
         `generated` (B,): each request's output tokens so far, which the TPOT pace needs (`pace_tpot_ms`).
+        `context_rows`: deferred drafter context a drafting step would store first (priced into its launch).
 
         `features` may be None only when `needs_drafter()` is False or `holds_no_drafts()` is True.
         `share` makes every tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`);
@@ -198,19 +235,33 @@ class StepController:
             if self.recalibrator is not None:
                 survival = self.recalibrator.apply(survival)
             self._survival = survival
+            if self.gain is not None:
+                survival = self.gain.apply(survival)
             probes = None
             if self.profiling is not None:
                 # Some profiled steps draft nothing: the drafter's launch cost is then visible.
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
             else:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
-                probes = self.probes.due(req_ids) if self.probes is not None else None
-                self._plan = self.policy.plan(
-                    survival, self.cost_model, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
-                )
-                if probes is not None:
-                    probes = np.minimum(probes, max_width)
-                    self.stats.probes += int(probes.sum())
+                self._step_cost = self.priced(context_rows)
+
+                def plan(probes: np.ndarray | None) -> DraftPlan:
+                    return self.policy.plan(
+                        survival, self._step_cost, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
+                    )
+
+                # Probes ride on a plan that drafts anyway, or wait for a probe round (scheduling/exploration.py).
+                self._plan = plan(None)
+                if self.probes is not None:
+                    if self._plan.draft.any():
+                        self.probes.drafting()
+                    due = np.minimum(self.probes.due(req_ids), max_width)
+                    if due.any() and (self._plan.draft.any() or self.probes.round_open()):
+                        if not self._plan.draft.any():
+                            self.probes.probed()
+                        probes = due
+                        self._plan = plan(probes)
+                        self.stats.probes += int(probes.sum())
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
@@ -269,7 +320,7 @@ class StepController:
         if self._plan is None:
             return np.zeros_like(draft)
         post = self.calibrator.survival(confidence, prior, draft)
-        return self.policy.verify(post, self._plan, self.cost_model, self.limits)
+        return self.policy.verify(post, self._plan, self._step_cost or self.cost_model, self.limits)
 
     def predicted_accept_len(self) -> float:
         """Mean predicted accepted length (1 + expected accepted drafts at full width) over the last

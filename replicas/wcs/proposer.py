@@ -77,6 +77,11 @@ class RaggedDFlashProposer(DFlashProposer):
         return self._wcs_deferral
 
     @property
+    def pending_rows(self) -> int:
+        """Deferred context rows the next drafting step stores first (what staying ready to draft costs)."""
+        return sum(len(s.owners) for s in self._deferral.steps)
+
+    @property
     def context_lost(self) -> set[str]:
         """Live requests whose drafter context is incomplete: they must not draft."""
         return self._deferral.lost

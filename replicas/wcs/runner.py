@@ -51,6 +51,7 @@ class StepSample:
     draft_ms: float
     planner_ms: float
     planned: tuple[str, ...]  # requests planned this step
+    context_rows: int = 0  # deferred drafter context rows stored before drafting
 
 
 class _ProposeArgs(NamedTuple):
@@ -128,7 +129,9 @@ class WCSRunnerMixin:
         if last is not None and not scheduled.keys().isdisjoint(last.planned):
             planned = last.requests + last.verified_tokens
             period_ms = (now - last.start) * 1e3
-            self.wcs.observe_step(last.requests, last.drafted_tokens, planned, period_ms, last.target_tokens - planned)
+            self.wcs.observe_step(
+                last.requests, last.drafted_tokens, planned, period_ms, last.target_tokens - planned, last.context_rows
+            )
 
     def _sample(self, logits, spec_decode_metadata):
         # The features need one row per request (its newest token), known only after sampling, which may
@@ -175,7 +178,10 @@ class WCSRunnerMixin:
             rows = torch.from_numpy(offsets + accepted)
             logits, self._wcs_logits = self._wcs_logits, None
             features = self.wcs_features(sample_hidden_states[rows], distribution_stats(logits[rows]), generated)
-            draft = ctl.plan(req_ids, features, max_width, share=share_from_first_rank, generated=generated)
+            draft = ctl.plan(
+                req_ids, features, max_width, share=share_from_first_rank, generated=generated,
+                context_rows=self.drafter.pending_rows,
+            )
         planner_ms = (time.perf_counter() - t0) * 1e3
         drafter = self.drafter
         if not draft.any():
@@ -183,6 +189,8 @@ class WCSRunnerMixin:
             self._wcs_defer_context(scheduler_output, a.hidden_states, a.aux_hidden_states, a.common_attn_metadata)
             return self._wcs_no_drafts(req_ids, planner_ms, (time.perf_counter() - t1) * 1e3, sample_hidden_states.device)
         t1 = time.perf_counter()
+        if self._wcs_step is not None:
+            self._wcs_step.context_rows = drafter.pending_rows
         drafter.flush_context()
         drafter.widths = torch.from_numpy(draft)
         drafter.forward_rows = 0

@@ -5,8 +5,10 @@ Tests run in file order against one deployment; the replica-killing test comes l
 """
 
 import asyncio
+import json
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -222,6 +224,44 @@ def test_overload_is_turned_away_with_429_retry_after_and_an_openai_body(app):
             assert r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == 429
     # Nothing was lost for the requests it took, and it keeps serving.
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in replies if r.status_code == 200)
+    assert complete().status_code == 200
+
+
+def fuzz_outcome(path: str, raw: bytes) -> tuple[int, str | None]:
+    """(status, what is wrong with the reply or None): 4xx must carry an OpenAI error body, a stream must
+    end with [DONE]; an error event inside a stream reports its own code as the status."""
+    headers = {**AUTH, "content-type": "application/json"}
+    with httpx.stream("POST", f"{URL}{path}", content=raw, headers=headers, timeout=120) as r:
+        text = r.read().decode(errors="replace")
+    if r.status_code >= 400:
+        try:
+            err = json.loads(text)["error"]
+        except (ValueError, KeyError, TypeError):
+            return r.status_code, f"not an OpenAI error body: {text[:200]}"
+        ok = err.get("message") and err.get("type") and err.get("code") == r.status_code
+        return r.status_code, None if ok else f"incomplete error body: {err}"
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            return r.status_code, f"stream without [DONE]: {text[-200:]}"
+        for event in events[:-1]:
+            err = json.loads(event).get("error")
+            if err:
+                return int(err.get("code") or 500), None
+    return r.status_code, None
+
+
+def test_fuzzed_malformed_bodies_get_4xx_with_an_openai_body_never_5xx(app):
+    from tests.fuzz_bodies import malformed
+
+    outcomes, problems = Counter(), []
+    for path, raw in malformed(seed=28, count=300):
+        status, problem = fuzz_outcome(path, raw)
+        outcomes[status] += 1
+        if status >= 500 or problem:
+            problems.append((status, problem, path, raw[:300]))
+    assert not problems, problems[:10]
+    assert sum(n for s, n in outcomes.items() if 400 <= s < 500) >= 150, outcomes  # mostly rejected, as built
     assert complete().status_code == 200
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.admission import AdmissionConfig
 from cluster.ingress import Ingress, IngressConfig
 from replicas.deployment import EngineReplica, ReplicaConfig
 
@@ -29,11 +30,16 @@ class RouterConfig(BaseModel):
     kind: Literal["acceptance_headroom", "pow2"] = "acceptance_headroom"
     stale_after_s: float = Field(default=10.0, gt=0, description="replica stats older than this count as missing")
     tie_ms: float = Field(default=1.0, ge=0, description="TPOT-slack differences treated as ties (ms)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="SLO-aware admission (this router only)")
 
     def request_router_config(self, stats_period_s: float):
         from ray.serve.config import RequestRouterConfig
 
-        kwargs = {} if self.kind == "pow2" else {"stale_after_s": self.stale_after_s, "tie_ms": self.tie_ms}
+        kwargs = (
+            {}
+            if self.kind == "pow2"
+            else {"stale_after_s": self.stale_after_s, "tie_ms": self.tie_ms, "admission": self.admission.model_dump()}
+        )
         return RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[self.kind],
             request_router_kwargs=kwargs,

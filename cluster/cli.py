@@ -9,6 +9,7 @@
     forespark loadtest --url U --rate R  Locust SLO load test at a request rate (JSON report + PNG)
     forespark capacity --url U           highest request rate meeting the SLOs (doubling, then bisection)
     forespark compare                    capacity per policy / router, each on its own application, probes in turns
+    forespark overload --url U           goodput and refusals at multiples of the sustainable rate
     forespark manifests check [PATH...]  validate the ray up, Serve and KubeRay manifests offline
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
@@ -209,6 +210,34 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     plot_capacity({"server": result}, Path(args.out) / "capacity.png")
     print(f"wrote {Path(args.out) / 'capacity.png'}")
     _write_json(args.json or str(Path(args.out) / "capacity.json"), result.model_dump(mode="json"))
+    return 0
+
+
+def cmd_overload(args: argparse.Namespace) -> int:
+    from loadtest.capacity import capacity, format_probe
+    from loadtest.overload import OverloadResult, format_overload, run_row
+
+    try:
+        multiples = [float(m) for m in args.multiples.split(",") if m]
+    except ValueError:
+        print(f"forespark overload: --multiples must be numbers, got {args.multiples!r}", file=sys.stderr)
+        return 2
+    if (inputs := _load_inputs(args, args.url, args.capacity or args.start_rate)) is None:
+        return 2
+    base, slo = inputs
+    rate = args.capacity
+    if rate is None:
+        found = capacity(base.model_copy(update={"out_dir": Path(args.out) / "capacity"}), slo, args.start_rate,
+                         args.bisect_steps, on_probe=lambda p: print(format_probe(p), flush=True))
+        rate = found.max_rate
+    result = OverloadResult(capacity=rate, rows=[run_row(base, slo, m, rate) for m in multiples])
+    if args.off_url:
+        off = run_row(base.model_copy(update={"url": args.off_url.rstrip("/")}), slo, 1.0, rate, label="off-")
+        on = next((r for r in result.rows if r.multiple == 1.0), None) or run_row(base, slo, 1.0, rate)
+        result.off_1x = off
+        result.admission_cost_1x = 1.0 - on.goodput / off.goodput if off.goodput > 0 else None
+    print(format_overload(result))
+    _write_json(args.json or str(Path(args.out) / "overload.json"), result.model_dump(mode="json"))
     return 0
 
 
@@ -555,6 +584,16 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--bisect-steps", type=int, default=3)
     _add_load_options(cap, "results/capacity", 30.0)
     cap.set_defaults(func=cmd_capacity)
+
+    over = sub.add_parser("overload", help="goodput, attainment and refusals at multiples of the sustainable rate")
+    over.add_argument("--url", required=True)
+    over.add_argument("--capacity", type=float, help="sustainable rate (req/s); default: found by the capacity search")
+    over.add_argument("--multiples", default="1,2,4", help="multiples of the capacity to load at (default 1,2,4)")
+    over.add_argument("--off-url", help="the same application with admission off: its 1x load runs too, for admission's cost")
+    over.add_argument("--start-rate", type=float, default=8.0)
+    over.add_argument("--bisect-steps", type=int, default=3)
+    _add_load_options(over, "results/overload", 30.0)
+    over.set_defaults(func=cmd_overload)
 
     cmp_ = sub.add_parser("compare", help="capacity of each variant (policy x router), each on its own application, searched in turns")
     cmp_.add_argument("--variants", type=lambda t: tuple(v.strip() for v in t.split(",")), default=("wcs", "dspark", "ar", "wcs-pow2"),

@@ -3,9 +3,13 @@
 The ingress parses each request and calls `EngineReplica.call(route, body)`
 through a deployment handle, so the request router (which runs here, in the
 handle's owner) sees the body. What the handle raises becomes an OpenAI
-error: the callers' queue full -> 429 (or 503) with Retry-After; a replica
+error: the callers' queue full, or admission (`cluster/admission.py`) predicting that
+no replica meets the request's SLOs -> 429 (or 503) with Retry-After; a replica
 that died before answering -> one retry on another replica, then 503; a
-replica that dies mid-stream -> an error event and `data: [DONE]`.
+replica that dies mid-stream -> an error event and `data: [DONE]`. An
+exception raised by the code of a live replica (bad input that only vLLM
+rejects, such as `VLLMValidationError`) is the request's own outcome: a 400
+with vLLM's message (500 for a server error), never retried elsewhere.
 Disconnecting clients cancel their call, and with it the engine request.
 """
 
@@ -18,7 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.openai_api import Reply, error_reply
+from cluster.admission import TPOT_HEADER, TTFT_HEADER, AdmissionRejected, RequestSLO
+from replicas.openai_api import Reply, error_reply, exception_reply
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,6 +45,23 @@ def _replica_gone(e: BaseException) -> bool:
     return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
+def raised_by_replica(e: BaseException) -> BaseException | None:
+    """The exception a live replica's code raised, as the handle delivers it, or None for a failure of
+    Ray or Serve (a dead or unreachable replica, a cancelled request).
+
+    Through an actor call it arrives as a `RayTaskError` (an instance of the cause's class too, with
+    `.cause`); through Serve's gRPC transport (the throughput mode) as the replica's exception itself.
+    """
+    from ray.exceptions import RayError, RayTaskError
+    from ray.serve.exceptions import RayServeException
+
+    if isinstance(e, RayTaskError):
+        e = e.cause
+    if isinstance(e, (RayError, RayServeException)):
+        return None
+    return e
+
+
 class HandleBackend:
     """`replicas.openai_api.Backend` over the engine deployment's handle."""
 
@@ -56,16 +78,35 @@ class HandleBackend:
             headers={"Retry-After": str(self.config.retry_after_s)},
         )
 
-    async def _call(self, route: str, body: Any = None) -> Reply:
+    async def _call(self, route: str, body: Any = None, raw_request=None) -> Reply:
         from ray.serve.exceptions import BackPressureError
 
+        kwargs = {}
+        if raw_request is not None:
+            try:
+                slo = RequestSLO.from_headers(raw_request.headers)
+            except ValueError as e:
+                return error_reply(400, f"invalid SLO header ({TTFT_HEADER}, {TPOT_HEADER}): {e}")
+            if slo is not None:
+                kwargs["slo"] = slo.model_dump()
         for attempt in range(2):
-            gen = self.handle.call.remote(route, body)
+            gen = self.handle.call.remote(route, body, **kwargs)
             try:
                 status, first = await gen.__anext__()
             except BackPressureError:
                 return self._overloaded()
+            except AdmissionRejected as refusal:  # the router predicts no replica meets the SLOs: refused at once
+                return error_reply(
+                    self.config.overload_status,
+                    str(refusal),
+                    "RateLimitError" if self.config.overload_status == 429 else "ServiceUnavailableError",
+                    headers={"Retry-After": str(refusal.retry_after_s)},
+                )
             except Exception as e:
+                raised = raised_by_replica(e)
+                if raised is not None:  # the replica is alive and answered: never retried elsewhere
+                    logger.warning("engine replica rejected the request: %s: %s", type(raised).__name__, raised)
+                    return exception_reply(raised)
                 if _replica_gone(e) and attempt == 0:
                     logger.warning("engine replica died before answering; retrying once: %s", e)
                     continue
@@ -80,19 +121,23 @@ class HandleBackend:
         try:
             async for lines in gen:
                 yield "".join(lines)  # one HTTP chunk, and one message to the proxy, per replica batch
-        except Exception as e:  # the replica died mid-stream: end the stream properly
+        except Exception as e:  # the replica failed, or its code raised, mid-stream: end the stream properly
             logger.warning("engine stream failed: %s", e)
-            err = error_reply(503, f"the engine replica failed mid-stream: {type(e).__name__}", "ServiceUnavailableError")
+            raised = raised_by_replica(e)
+            if raised is not None:
+                err = exception_reply(raised)
+            else:
+                err = error_reply(503, f"the engine replica failed mid-stream: {type(e).__name__}", "ServiceUnavailableError")
             yield f"data: {json.dumps(err.body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             gen.cancel()  # no-op when finished; aborts the engine request when the client went away
 
     async def completions(self, body: dict, raw_request=None) -> Reply:
-        return await self._call("completions", body)
+        return await self._call("completions", body, raw_request)
 
     async def chat_completions(self, body: dict, raw_request=None) -> Reply:
-        return await self._call("chat_completions", body)
+        return await self._call("chat_completions", body, raw_request)
 
     async def list_models(self) -> Reply:
         return await self._call("list_models")

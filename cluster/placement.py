@@ -18,6 +18,8 @@ is better.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from replicas.routing_stats import RoutingStats
@@ -48,8 +50,17 @@ def expected_tokens_per_step(fleet: FleetArrays, relative_acceptance: float) -> 
     return 1.0 + max(fleet.reference_tokens - 1.0, 0.0) * relative_acceptance
 
 
-def placement_slack(fleet: FleetArrays, added: np.ndarray, tokens_if_room: float) -> np.ndarray:
-    """TPOT slack (ms) per replica after placing one more request there.
+class Forecast(NamedTuple):
+    """What placing one more request on each replica predicts (arrays over the fleet)."""
+
+    n_new: np.ndarray  # requests the router has on it after placement, beyond those its stats saw running
+    queued: np.ndarray  # requests past the engine's batch (they wait for a slot)
+    step_after: np.ndarray  # predicted step time (ms) with the request in the batch
+    tpot: np.ndarray  # predicted TPOT (ms): the worse of the new request's and the batch's
+
+
+def placement_forecast(fleet: FleetArrays, added: np.ndarray, tokens_if_room: float) -> Forecast:
+    """Step time, TPOT and queue per replica after placing one more request there.
 
     `added`: requests routed to each replica since its stats were taken, net of those finished since.
     `tokens_if_room`: tokens per step the request is expected to get where there is budget to verify its drafts.
@@ -63,6 +74,13 @@ def placement_slack(fleet: FleetArrays, added: np.ndarray, tokens_if_room: float
     share = np.clip(headroom_after / (gain * f.per_accepted), 0.0, 1.0) if gain > 0 else 1.0
     tpot_new = step_after / (1.0 + gain * share)
     tpot_batch = np.where(f.running > 0, step_after / np.maximum(f.tokens_per_step, 1.0), 0.0)
-    slack = f.cap_ms - np.maximum(tpot_new, tpot_batch) - queued * f.cap_ms
+    return Forecast(n_new, queued, step_after, np.maximum(tpot_new, tpot_batch))
+
+
+def placement_slack(fleet: FleetArrays, added: np.ndarray, tokens_if_room: float) -> np.ndarray:
+    """TPOT slack (ms) per replica after placing one more request there (see `placement_forecast`)."""
+    f = fleet
+    fc = placement_forecast(fleet, added, tokens_if_room)
+    slack = f.cap_ms - fc.tpot - fc.queued * f.cap_ms
     # No cost model (an engine without WCS): fewer requests is all that can be said.
-    return np.where(f.has_cost, slack, -(f.load + n_new) - queued * f.cap_ms)
+    return np.where(f.has_cost, slack, -(f.load + fc.n_new) - fc.queued * f.cap_ms)

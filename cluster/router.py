@@ -12,6 +12,11 @@ it sees each request's body. Per request it
 
 Serve then takes the first rank whose replica is below
 `max_ongoing_requests` (ties share a rank; Serve picks the shorter queue).
+With admission on (`cluster/admission.py`), only replicas predicted to meet
+the request's SLOs are ranked; with none, the request is refused at once
+(its future gets `AdmissionRejected`, which the ingress answers with 429).
+A request waiting for a free replica is decided again at every attempt, with
+the time it has waited, so one past its TTFT deadline never reaches an engine.
 Replicas without fresh stats (cold start) make the decision fall back to
 power-of-two choices, as Serve's default router does. Requests back off when
 every replica is full, and a replica that died is dropped at once.
@@ -27,9 +32,9 @@ from typing import Any
 import numpy as np
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cluster import router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
+from cluster import admission as admission_module, router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
 from cluster.placement import FleetArrays, expected_tokens_per_step, placement_slack
-from cluster.prompt_model import PromptModel
+from cluster.prompt_model import PromptModel, prompt_text
 from replicas.routing_stats import RoutingStats
 
 ROUTER_NAME = "acceptance_headroom"
@@ -72,16 +77,24 @@ class _FleetView:
 
 
 class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, stale_after_s: float = 10.0, tie_ms: float = 1.0, top_ranks: int = 3, **_: Any) -> None:
-        """`stale_after_s`: stats older than this count as missing; `tie_ms`: slack differences that count as ties."""
+    def initialize_state(
+        self, stale_after_s: float = 10.0, tie_ms: float = 1.0, top_ranks: int = 3, admission: dict | None = None, **_: Any
+    ) -> None:
+        """`stale_after_s`: stats older than this count as missing; `tie_ms`: slack differences that count as ties;
+        `admission`: an `AdmissionConfig` (None: admission off)."""
         self.stale_after_s = stale_after_s
         self.tie_ms = tie_ms
         self.top_ranks = top_ranks
+        self.admission = admission_module.AdmissionConfig.model_validate(admission) if admission else None
+        if self.admission is not None and not self.admission.enabled:
+            self.admission = None
+        self.drain = admission_module.DrainMeter()
         self.model = PromptModel.shipped()
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)
         self._view: _FleetView | None = None
         self._decisions = router_metrics.DECISIONS.labels(ROUTER_NAME, "ranked")
         self._fallbacks = router_metrics.DECISIONS.labels(ROUTER_NAME, "fallback")
+        self._refusals = router_metrics.DECISIONS.labels(ROUTER_NAME, "refused")
         self._timer = router_metrics.DECISION_SECONDS.labels(ROUTER_NAME)
 
     def _fleet(self, candidates: list[RunningReplica]) -> _FleetView | None:
@@ -92,18 +105,42 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             return None
         return view
 
-    def rank(self, candidates: list[RunningReplica], body: dict | None) -> list[list[RunningReplica]]:
+    def rank(
+        self, candidates: list[RunningReplica], body: dict | None, waited_ms: float = 0.0, slo: dict | None = None
+    ) -> list[list[RunningReplica]]:
+        """Replicas in rank order; raises `AdmissionRejected` when admission finds none that meets the SLOs."""
         view = self._fleet(candidates)
         if view is None:  # cold start or a silent replica: power of two choices, Serve picks the shorter queue
             self._fallbacks.inc()
             return [random.sample(candidates, min(2, len(candidates)))]
         added = view.routed - view.baseline
         relative = self.model.relative_acceptance(body) if body else 1.0
-        slack = placement_slack(view.arrays, added, expected_tokens_per_step(view.arrays, relative))
+        tokens = expected_tokens_per_step(view.arrays, relative)
+        slack = placement_slack(view.arrays, added, tokens)
+        if self.admission is not None:
+            decision = admission_module.decide(
+                view.arrays,
+                added,
+                tokens,
+                admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, self.admission),
+                self.drain.rates(view.ids),
+                self.admission,
+                waited_ms=waited_ms,
+                slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
+            )
+            if not decision.admit:
+                self._refusals.inc()
+                raise admission_module.AdmissionRejected(
+                    decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min())
+                )
+            slack = np.where(decision.feasible, slack, -np.inf)  # infeasible replicas sort last
+            feasible = int(decision.feasible.sum())
+        else:
+            feasible = len(candidates)
         order = np.argsort(-slack, kind="stable")
         best = slack[order[0]]
         tied = int(np.searchsorted(-slack[order], -best + self.tie_ms, side="right"))
-        ranked = [candidates[i] for i in order]
+        ranked = [candidates[i] for i in order][:feasible]  # infeasible replicas are never offered
         self._decisions.inc()
         singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]
         tail = ranked[tied + self.top_ranks - 1 :]
@@ -114,15 +151,28 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        body = None
+        body, waited_ms, slo = None, 0.0, None
         if pending_request is not None:
+            if pending_request.future.done():  # refused below on an earlier attempt: let Serve's loop end
+                return [candidate_replicas]
             pending_request.routing_context.should_backoff = True  # otherwise Serve busy-loops while all are full
             args = pending_request.args
             if len(args) > 1 and isinstance(args[1], dict):
                 body = args[1]
+            waited_ms = max(time.time() - pending_request.created_at, 0.0) * 1000.0
+            slo = pending_request.kwargs.get("slo")
         start = time.perf_counter()
-        ranks = self.rank(candidate_replicas, body)
-        self._timer.observe(time.perf_counter() - start)
+        try:
+            ranks = self.rank(candidate_replicas, body, waited_ms, slo)
+        except admission_module.AdmissionRejected as refusal:
+            if pending_request is None:
+                raise
+            # The caller's await on this future raises the refusal; Serve's routing loop sees it done and stops.
+            pending_request.future.set_exception(refusal)
+            self._remove_pending_request_from_indices(pending_request)
+            return [candidate_replicas]
+        finally:
+            self._timer.observe(time.perf_counter() - start)
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
@@ -131,6 +181,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self._view.count(replica_id, 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.drain.completed(replica_id)
         if self.in_flight.get(replica_id, 0) > 0:
             self.in_flight[replica_id] -= 1
             if self._view is not None:
@@ -139,4 +190,5 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)  # Serve stops offering it as a candidate at once
         self.in_flight.pop(replica_id, None)
+        self.drain.forget(replica_id)
         self._view = None

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.engine import EngineConfig, cpu_engine_environment
 from replicas.metrics import LatestSchedulerStats, metrics_board, process_cpu_seconds, replica_metrics_text
+from replicas.openai_api import exception_reply
 from replicas.routing_stats import RoutingStats, StepMix, routing_stats, step_mix
 
 logger = logging.getLogger("ray.serve")
@@ -130,11 +131,16 @@ class EngineReplica:
         await self._refresh()
         self._loop = asyncio.create_task(self._refresh_forever())
 
-    async def call(self, route: str, body: dict | None = None) -> AsyncIterator:
+    async def call(self, route: str, body: dict | None = None, slo: dict | None = None) -> AsyncIterator:
+        """`slo`: the request's own SLOs, read by the cluster router (admission); the engine ignores them."""
         if route not in ROUTES:
             raise ValueError(f"unknown route {route!r}")
         fn = getattr(self.engine, route)
-        reply = await (fn() if route == "list_models" else fn(body))
+        try:
+            reply = await (fn() if route == "list_models" else fn(body))
+        except Exception as e:  # answered here: an exception through the handle would read as a failed replica
+            logger.warning("request failed in the replica: %s: %s", type(e).__name__, e)
+            reply = exception_reply(e)
         yield (reply.status, reply.body)
         if reply.stream is None:
             return

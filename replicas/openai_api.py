@@ -10,6 +10,7 @@ SSE lines ending in `data: [DONE]`. Errors are OpenAI-style
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,6 +59,25 @@ def error_reply(
     status: int, message: str, err_type: str = "BadRequestError", param: str | None = None, headers: dict | None = None
 ) -> Reply:
     return Reply(status, {"error": {"message": message, "type": err_type, "param": param, "code": status}}, headers=headers)
+
+
+def exception_reply(e: BaseException) -> Reply:
+    """The OpenAI error for an exception raised while serving a request, by vLLM's own rule
+    (`create_error_response`): its client errors (`VLLMValidationError` with its parameter, not-found,
+    unprocessable) and the builtin `ValueError`/`TypeError`/`OverflowError` are the client's fault (4xx),
+    anything else is the server's (500).
+
+    vLLM is imported only where it already is (a replica, or an ingress that unpickled a vLLM
+    exception): elsewhere the builtin part of the same rule applies, so an ingress never pays
+    vLLM's import on its request path."""
+    if "vllm.exceptions" in sys.modules:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        out = create_error_response(e if isinstance(e, Exception) else Exception(str(e)))
+        return Reply(out.error.code, out.model_dump())
+    if isinstance(e, (ValueError, TypeError, OverflowError)):
+        return error_reply(400, str(e))
+    return error_reply(500, str(e) or type(e).__name__, "InternalServerError")
 
 
 class OpenAIEngine:
@@ -145,14 +165,14 @@ class OpenAIEngine:
     async def completions(self, body: dict, raw_request=None) -> Reply:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        return await self._serve(CompletionRequest, self.completion.create_completion, self.completion, body, raw_request)
+        return await self._serve(CompletionRequest, self.completion.create_completion, body, raw_request)
 
     async def chat_completions(self, body: dict, raw_request=None) -> Reply:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        return await self._serve(ChatCompletionRequest, self.chat.create_chat_completion, self.chat, body, raw_request)
+        return await self._serve(ChatCompletionRequest, self.chat.create_chat_completion, body, raw_request)
 
-    async def _serve(self, request_type, handler, serving, body: dict, raw_request) -> Reply:
+    async def _serve(self, request_type, handler, body: dict, raw_request) -> Reply:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         if not isinstance(body, dict):
@@ -163,10 +183,12 @@ class OpenAIEngine:
             first = e.errors()[0]
             param = ".".join(str(x) for x in first.get("loc", ())) or None
             return error_reply(400, f"invalid request: {first.get('msg', e)}", param=param)
+        except Exception as e:  # vLLM's own validators raise VLLMValidationError, which pydantic does not wrap
+            return exception_reply(e)
         try:
             out = await handler(request, raw_request)
         except Exception as e:  # vLLM raises for engine errors and admission limits; it maps them itself
-            out = serving.create_error_response(e)
+            return exception_reply(e)
         if isinstance(out, ErrorResponse):
             return Reply(out.error.code, out.model_dump())
         if hasattr(out, "model_dump"):

@@ -26,8 +26,14 @@ files:
    not have: any request with a `seed` crashed the engine as soon as its
    prefill was chunked. We restore the generator's state from before sampling
    instead (the same rewind).
+5. A spec-decode step in which no request has draft tokens (WCS chose width
+   0 for all of them, or every request is still in prefill) still runs the
+   rejection sampler's top-k/top-p masking over zero token rows; the CPU
+   top-k-only path takes `k.max()` of that empty tensor and raises, which
+   killed the engine for any request with `top_k` set. Masking no rows
+   returns them as they are.
 
-All four are no-ops off the CPU.
+All five are no-ops off the CPU.
 """
 
 from __future__ import annotations
@@ -70,6 +76,17 @@ def _expand_in_torch(module) -> None:
         return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype), out)
 
     module.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def _mask_no_rows(module) -> None:
+    apply = ORIGINALS.setdefault("rejection_sampler.apply_top_k_top_p", module.apply_top_k_top_p)
+
+    def apply_top_k_top_p(logits, k, p):
+        if logits.shape[0] == 0:  # no draft tokens in this step: nothing to mask
+            return logits
+        return apply(logits, k, p)
+
+    module.apply_top_k_top_p = apply_top_k_top_p
 
 
 def _rewind_cpu_generators(module) -> None:
@@ -122,5 +139,6 @@ def register() -> None:
     _keep_qkv_weight(qwen3_dflash)
     _normalize_context_k_per_layer(qwen3_dflash)
     _expand_in_torch(rejection_sampler)
+    _mask_no_rows(rejection_sampler)
     _rewind_cpu_generators(gpu_model_runner)
     _applied = True

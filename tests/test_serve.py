@@ -5,8 +5,10 @@ Tests run in file order against one deployment; the replica-killing test comes l
 """
 
 import asyncio
+import json
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -45,9 +47,9 @@ def app():
     ray.shutdown()
 
 
-def complete(prompt="def f(x):", max_tokens=4, timeout=120, **extra):
+def complete(prompt="def f(x):", max_tokens=4, timeout=120, headers_extra=None, **extra):
     body = {"model": "forespark", "prompt": prompt, "max_tokens": max_tokens, **extra}
-    return httpx.post(f"{URL}/v1/completions", json=body, headers=AUTH, timeout=timeout)
+    return httpx.post(f"{URL}/v1/completions", json=body, headers={**AUTH, **(headers_extra or {})}, timeout=timeout)
 
 
 def metric(text: str, name: str, **labels) -> dict[str, float]:
@@ -218,10 +220,63 @@ def test_overload_is_turned_away_with_429_retry_after_and_an_openai_body(app):
     codes = sorted(r.status_code for r in replies)
     assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
     for r in replies:
-        if r.status_code == 429:
-            assert r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == 429
+        if r.status_code == 429:  # the callers' queue full (1 s), or refused by admission (its drain time)
+            assert int(r.headers.get("retry-after")) >= 1 and r.json()["error"]["code"] == 429
     # Nothing was lost for the requests it took, and it keeps serving.
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in replies if r.status_code == 200)
+    assert complete().status_code == 200
+
+
+def test_admission_refuses_at_once_a_request_whose_own_slo_no_replica_can_meet(app):
+    complete()  # the router has fresh stats (no admission on a cold start)
+    before = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="refused").get("", 0)
+    start = time.perf_counter()
+    r = complete(headers_extra={"X-SLO-TPOT-Ms": "0.01"})
+    assert r.status_code == 429 and time.perf_counter() - start < 2.0, r.text
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "RateLimitError"
+    assert "SLO" in r.json()["error"]["message"]
+    after = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="refused")[""]
+    assert after == before + 1
+    assert complete(headers_extra={"X-SLO-TPOT-Ms": "1000", "X-SLO-TTFT-Ms": "60000"}).status_code == 200
+    bad = complete(headers_extra={"X-SLO-TTFT-Ms": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+
+
+def fuzz_outcome(path: str, raw: bytes) -> tuple[int, str | None]:
+    """(status, what is wrong with the reply or None): 4xx must carry an OpenAI error body, a stream must
+    end with [DONE]; an error event inside a stream reports its own code as the status."""
+    headers = {**AUTH, "content-type": "application/json"}
+    with httpx.stream("POST", f"{URL}{path}", content=raw, headers=headers, timeout=120) as r:
+        text = r.read().decode(errors="replace")
+    if r.status_code >= 400:
+        try:
+            err = json.loads(text)["error"]
+        except (ValueError, KeyError, TypeError):
+            return r.status_code, f"not an OpenAI error body: {text[:200]}"
+        ok = err.get("message") and err.get("type") and err.get("code") == r.status_code
+        return r.status_code, None if ok else f"incomplete error body: {err}"
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            return r.status_code, f"stream without [DONE]: {text[-200:]}"
+        for event in events[:-1]:
+            err = json.loads(event).get("error")
+            if err:
+                return int(err.get("code") or 500), None
+    return r.status_code, None
+
+
+def test_fuzzed_malformed_bodies_get_4xx_with_an_openai_body_never_5xx(app):
+    from tests.fuzz_bodies import malformed
+
+    outcomes, problems = Counter(), []
+    for path, raw in malformed(seed=28, count=300):
+        status, problem = fuzz_outcome(path, raw)
+        outcomes[status] += 1
+        if status >= 500 or problem:
+            problems.append((status, problem, path, raw[:300]))
+    assert not problems, problems[:10]
+    assert sum(n for s, n in outcomes.items() if 400 <= s < 500) >= 150, outcomes  # mostly rejected, as built
     assert complete().status_code == 200
 
 

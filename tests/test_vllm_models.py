@@ -247,3 +247,20 @@ def test_seeded_requests_survive_chunked_prefills(plugins, works):
     assert ("SEEDED True" in proc.stdout) == works, proc.stderr[-3000:]
     if not works:
         assert "CPU Generator does not use offset" in proc.stderr
+
+
+def test_top_k_requests_survive_steps_without_draft_tokens(spec_llm):
+    """A step whose requests have no draft tokens (prefill, or width 0) still masks top-k over zero rows:
+    the plugin returns them; vLLM's CPU top-k path raised on that empty batch and killed the engine."""
+    from vllm import SamplingParams
+    from vllm.v1.sample import rejection_sampler
+
+    from replicas import vllm_plugin
+
+    for top_k in (1, 40):
+        out = spec_llm.generate(["def f(x):"], SamplingParams(top_k=top_k, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+    logits, k = torch.zeros(0, 32), torch.zeros(0, dtype=torch.long)
+    assert rejection_sampler.apply_top_k_top_p(logits, k, None).shape == (0, 32)
+    with pytest.raises(RuntimeError):  # negative control: vLLM's own function on the same empty batch
+        vllm_plugin.ORIGINALS["rejection_sampler.apply_top_k_top_p"](logits, k, None)

@@ -1,0 +1,91 @@
+"""Goodput under overload: open-loop Poisson load at multiples of the sustainable rate.
+
+`forespark overload --url URL [--capacity R] --multiples 1,2,4 --json PATH`
+finds the sustainable rate with the capacity search (or takes `--capacity`),
+then runs one load test per multiple and reports, per row:
+
+- `goodput`: requests meeting every SLO per second of arrivals;
+- `attainment_admitted`: SLO attainment among the requests the server took
+  (not refused with 429);
+- `rejected_share`: share of requests refused with 429;
+- `reject_p99_ms`: p99 time to the refusal;
+- `errors_5xx`: responses with a 5xx status;
+- `arrival_lag_p99_ms`: how late the load generator sent requests (above
+  `report.LAG_WARN_MS` the generator, not the server, shaped the arrivals).
+
+With `--off-url` (the same application with `router.admission.enabled:
+false`), the 1x load also runs there, back to back, and `admission_cost_1x`
+is 1 - goodput(on) / goodput(off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.report import LoadTestReport, RequestRow
+
+
+class OverloadRow(BaseModel):
+    multiple: float
+    rate: float
+    goodput: float
+    attainment_admitted: float | None
+    rejected_share: float
+    reject_p99_ms: float | None
+    errors_5xx: int
+    arrival_lag_p99_ms: float | None = None
+
+
+class OverloadResult(BaseModel):
+    capacity: float
+    rows: list[OverloadRow]
+    off_1x: OverloadRow | None = None
+    admission_cost_1x: float | None = None
+
+
+def overload_row(multiple: float, rate: float, rows: list[RequestRow], report: LoadTestReport, slo: SLOConfig) -> OverloadRow:
+    refused = [r for r in rows if r.status == 429]
+    admitted = [r for r in rows if r.status != 429]
+    return OverloadRow(
+        multiple=multiple,
+        rate=rate,
+        goodput=report.goodput_rps,
+        attainment_admitted=sum(r.meets(slo) for r in admitted) / len(admitted) if admitted else None,
+        rejected_share=len(refused) / len(rows) if rows else 0.0,
+        reject_p99_ms=float(np.percentile([r.e2e_ms for r in refused], 99)) if refused else None,
+        errors_5xx=sum(1 for r in rows if r.status >= 500),
+        arrival_lag_p99_ms=report.arrival_lag_ms.p99,
+    )
+
+
+def run_row(base: LoadTestConfig, slo: SLOConfig, multiple: float, capacity: float, label: str = "") -> OverloadRow:
+    from loadtest.report import build_report, read_rows
+    from loadtest.run import run_locust
+
+    rate = multiple * capacity
+    config = base.model_copy(update={"rate": rate, "out_dir": Path(base.out_dir) / f"{label}x{multiple:g}"})
+    rows = run_locust(config)
+    report = build_report(rows, slo, rate, config.duration_s)
+    return overload_row(multiple, rate, read_rows(config.out_dir), report, slo)
+
+
+def format_overload(result: OverloadResult) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"capacity {result.capacity:g} req/s",
+             f"{'multiple':>8} {'rate':>7} {'goodput':>8} {'attain.adm':>10} {'rejected':>8} {'rej p99 ms':>10} {'5xx':>4} {'lag p99 ms':>10}"]
+    rows = result.rows + ([result.off_1x] if result.off_1x else [])
+    for i, r in enumerate(rows):
+        name = f"{r.multiple:g}x" + (" off" if i == len(result.rows) else "")
+        lines.append(
+            f"{name:>8} {r.rate:7.2f} {r.goodput:8.2f} {f(r.attainment_admitted, '10.1%')} {r.rejected_share:8.1%} "
+            f"{f(r.reject_p99_ms, '10.0f')} {r.errors_5xx:4d} {f(r.arrival_lag_p99_ms, '10.0f')}"
+        )
+    if result.admission_cost_1x is not None:
+        lines.append(f"admission cost at 1x: {result.admission_cost_1x:.1%} of goodput (target <= 3%)")
+    return "\n".join(lines)

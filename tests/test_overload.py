@@ -1,0 +1,28 @@
+"""`forespark overload`'s rows from per-request rows (the load test itself is `tests/test_loadtest.py`'s)."""
+
+import json
+
+from loadtest.config import SLOConfig
+from loadtest.overload import OverloadResult, format_overload, overload_row
+from loadtest.report import RequestRow, build_report
+
+
+def row(i, status, ttft=100.0, tpot=10.0, e2e=500.0):
+    ok = status == 200
+    return RequestRow(request_id=str(i), domain="code", status=status, start_s=i * 0.1, end_s=i * 0.1 + e2e / 1000,
+                      ttft_ms=ttft if ok else None, tpot_ms=tpot if ok else None, e2e_ms=e2e, lag_ms=1.0)
+
+
+def test_rows_split_refused_from_admitted_and_count_5xx():
+    slo = SLOConfig(ttft_ms=1000, tpot_ms=20)
+    rows = [row(i, 200) for i in range(6)] + [row(6, 200, tpot=40.0)] + [row(7 + i, 429, e2e=5.0 + i) for i in range(3)]
+    rows.append(row(10, 503))
+    report = build_report(rows, slo, rate=10.0, duration_s=1.1)
+    r = overload_row(2.0, 10.0, rows, report, slo)
+    assert r.rejected_share == 3 / 11 and r.errors_5xx == 1
+    assert r.attainment_admitted == 6 / 8  # the slow one and the 503 miss; refusals are not counted against it
+    assert 5.0 <= r.reject_p99_ms <= 7.0 and r.goodput == report.goodput_rps
+    out = OverloadResult(capacity=5.0, rows=[r])
+    assert set(json.loads(out.model_dump_json())["rows"][0]) >= {
+        "multiple", "rate", "goodput", "attainment_admitted", "rejected_share", "reject_p99_ms", "errors_5xx"}
+    assert "2x" in format_overload(out)

@@ -8,9 +8,18 @@ replicas. Per replica, after placing the request there (`placement_forecast`):
     TTFT = waited + queued * drain interval + step after + prompt tokens * token_ms
     TPOT = the worse of the new request's and the batch's (the router's headroom model)
 
-with every step stretched by the prefills that arrive into it: at the
-replica's measured completion rate (in steady state, its arrival rate) each
-step carries `rate * step` prefills of about this request's length.
+with every step priced by the replica's cost model and then calibrated by what
+its engine realised: the replica reports its measured time per decoded token
+over the last stats period (`realised_tpot_ms`), and the ratio of that to the
+model's TPOT for the batch it was running (`step_ms / tokens_per_step`)
+scales every predicted step (`calibration`, clipped to [1/4, 4]). The profiled
+model sees the engine alone; on a shared machine the HTTP stack, the other
+replicas and the load generator take CPU from it, and under overload the
+realised TPOT runs 3-5x the model's (measured on the 2-core CPU host). Where
+nothing was realised (an idle replica), every step is stretched instead by the
+prefills that arrive into it: at the replica's measured completion rate (in
+steady state, its arrival rate) each step carries `rate * step` prefills of
+about this request's length.
 
 - `waited`: time the request already spent in the router's queue (a request
   that waits there is decided again at every routing attempt, so one whose
@@ -21,7 +30,11 @@ step carries `rate * step` prefills of about this request's length.
 - prompt tokens are estimated from the prompt's characters (the router has no
   tokenizer) and cost a verified token's `token_ms` each in the prefill step.
 
-A replica is feasible when both predictions fit the request's SLOs. With none
+A replica is feasible when both predictions fit the request's SLOs, the TPOT
+one with a margin (`tpot_share` of the SLO): admitted at exactly the SLO, a
+request's TPOT then grows with the requests admitted after it and with what
+the HTTP stack adds (measured: admitted at the SLO, half the admitted
+requests missed it under overload). With none
 feasible the request is refused (429) with `Retry-After` = the predicted time
 for the least loaded replica to drain what stands between it and feasibility
 (its queue, or the requests whose leaving brings its TPOT under the SLO).
@@ -56,6 +69,9 @@ class AdmissionConfig(BaseModel):
     chars_per_token: float = Field(default=3.5, gt=0, description="prompt characters per token, for the prefill estimate")
     min_drain_rate: float = Field(default=0.2, gt=0, description="completions/s assumed of a replica before any was measured")
     max_retry_after_s: int = Field(default=30, ge=1, description="cap on the Retry-After of a refusal")
+    tpot_share: float = Field(default=0.75, gt=0, le=1.0, description="admit while the predicted TPOT is under this "
+                              "share of the SLO: the rest is for what the batch's later arrivals and the HTTP stack add")
+    max_calibration: float = Field(default=4.0, ge=1.0, description="bound on realised over modelled TPOT (both ways)")
 
 
 class RequestSLO(BaseModel):
@@ -97,6 +113,17 @@ class Decision(NamedTuple):
     retry_after_s: int  # when refused: predicted drain time (0 when admitted)
 
 
+def calibration(fleet: FleetArrays, config: AdmissionConfig) -> np.ndarray:
+    """Per replica: realised TPOT over the model's TPOT for the batch it ran (`step_ms / tokens_per_step`),
+    clipped to [1 / max_calibration, max_calibration]; NaN where there is nothing to compare (no cost model,
+    nothing decoded in the last period, or an idle batch now, whose model TPOT says nothing of the period)."""
+    f = fleet
+    modelled = f.step_ms / np.maximum(f.tokens_per_step, 1.0)
+    ok = f.has_cost & (f.running > 0) & np.isfinite(f.realised_tpot_ms) & (modelled > 0)
+    ratio = np.where(ok, f.realised_tpot_ms / np.where(ok, modelled, 1.0), np.nan)
+    return np.clip(ratio, 1.0 / config.max_calibration, config.max_calibration)
+
+
 def estimated_prompt_tokens(text_chars: int, config: AdmissionConfig) -> float:
     return text_chars / config.chars_per_token
 
@@ -125,9 +152,13 @@ def decide(
     # The requests that replace those finishing bring their prefills into the steps of the batch: at the
     # measured rate, each step carries rate * step of them, which stretches every step by that share.
     stretch = 1.0 / np.maximum(1.0 - drain_rate * prefill / 1000.0, 0.1)
+    # A realised TPOT already holds those prefills (and whatever else took the engine's CPU): it replaces the stretch.
+    scale = calibration(f, config)
+    stretch = np.where(np.isfinite(scale), scale, stretch)
     step = np.where(has_cost, fc.step_after * stretch, 0.0)
-    ttft = waited_ms + wait_ms + step + prefill
+    ttft = waited_ms + wait_ms + step + prefill * np.where(np.isfinite(scale), scale, 1.0)
     tpot = np.where(has_cost, fc.tpot * stretch, 0.0)
+    tpot_slo = tpot_slo * config.tpot_share
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0)

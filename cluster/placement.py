@@ -30,7 +30,8 @@ DEFAULT_VERIFIED_PER_ACCEPTED = 2.0  # verified drafts per accepted one, before 
 class FleetArrays:
     """The stats of a fleet as columns, so that one decision scores every replica in a few numpy operations."""
 
-    FIELDS = ("running", "load", "max_num_seqs", "cap_ms", "step_ms", "request_ms", "token_ms", "tokens_per_step", "verified_per_step")
+    FIELDS = ("running", "load", "max_num_seqs", "cap_ms", "step_ms", "request_ms", "token_ms", "tokens_per_step", "verified_per_step",
+              "realised_tpot_ms")
 
     def __init__(self, fleet: list[RoutingStats]) -> None:
         for name in self.FIELDS:

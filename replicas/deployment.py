@@ -128,6 +128,7 @@ class EngineReplica:
         self.aborted = 0
         self._mix = StepMix()
         self._wcs: dict | None = None
+        self._decoded: tuple[float, int] = (0.0, 0)  # the engine's decode totals at the last refresh
         await self._refresh()
         self._loop = asyncio.create_task(self._refresh_forever())
 
@@ -178,6 +179,7 @@ class EngineReplica:
         # The engine's own count is current; the scheduler's is as of the last step (stale when idle).
         unfinished = engine.engine.get_num_unfinished_requests()
         waiting = self.scheduler.waiting if unfinished else 0
+        realised, self._decoded = self.scheduler.realised_tpot_ms(self._decoded)
         self._stats = routing_stats(
             cost=engine.cost,
             running=max(0, unfinished - waiting),
@@ -188,6 +190,7 @@ class EngineReplica:
             cap_ms=self.config.tpot_slo_ms,
             mix=self._mix,
             predicted_accept_len=accept_len,
+            realised_tpot_ms=realised,
         )
 
     async def _refresh_forever(self) -> None:

@@ -23,16 +23,30 @@ BOARD_NAMESPACE = "forespark"
 
 
 class LatestSchedulerStats:
-    """A vLLM per-engine stat logger that keeps the last scheduler stats (waiting requests, KV use)."""
+    """A vLLM per-engine stat logger that keeps the last scheduler stats (waiting requests, KV use) and totals
+    the engine's realised decoding: seconds between a request's outputs (`decode_s`) and the tokens those
+    outputs carried (`decode_tokens`; every generated token but each request's first)."""
 
     def __init__(self, vllm_config=None, engine_index: int = 0) -> None:
         self.waiting = 0
         self.kv_usage = 0.0
+        self.decode_s = 0.0
+        self.decode_tokens = 0
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
             self.waiting = scheduler_stats.num_waiting_reqs
             self.kv_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is not None:
+            self.decode_s += sum(iteration_stats.inter_token_latencies_iter)
+            self.decode_tokens += iteration_stats.num_generation_tokens - len(iteration_stats.time_to_first_tokens_iter)
+
+    def realised_tpot_ms(self, before: tuple[float, int]) -> tuple[float | None, tuple[float, int]]:
+        """Realised TPOT (ms per decoded token) since the totals `before`, None under 16 decoded tokens; and the
+        totals now, for the next call."""
+        now = (self.decode_s, self.decode_tokens)
+        tokens = now[1] - before[1]
+        return (1000.0 * (now[0] - before[0]) / tokens if tokens >= 16 else None), now
 
     def log_engine_initialized(self) -> None:
         pass

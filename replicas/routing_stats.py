@@ -9,10 +9,13 @@ here is in step terms, from the replica's own profiled cost model:
 - `cap_ms`: the step-time cap implied by the TPOT SLO (a step emits at least
   one token per request, so steps under the cap keep every TPOT under it);
 - `headroom_tokens`: how many more target tokens per step fit under the cap;
-- `request_ms`: what one more request of the batch's average kind adds to a step;
+- `request_ms`: what one more request of the batch's average kind adds to a step (the mean over
+  the next `REQUEST_SECANT`);
 - `token_ms`: what one more verified draft token adds to a step;
 - `tokens_per_step`: tokens each request gets per step (1 + accepted drafts);
-- `predicted_accept_len`: the estimator's mean accepted length for the running batch.
+- `predicted_accept_len`: the estimator's mean accepted length for the running batch;
+- `realised_tpot_ms`: the engine's measured time per decoded token over the last period
+  (None when too little was decoded): what `step_ms / tokens_per_step` predicted, as it came out.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from pydantic import BaseModel
 
 from scheduling.cost_model import StepCostModel
+
+REQUEST_SECANT = 4  # `request_ms` is the mean step cost of this many more requests
 
 
 class RoutingStats(BaseModel):
@@ -38,6 +43,7 @@ class RoutingStats(BaseModel):
     tokens_per_step: float = 1.0
     verified_per_step: float = 0.0  # verified drafts per request-step
     predicted_accept_len: float = 1.0
+    realised_tpot_ms: float | None = None
 
     @property
     def load(self) -> int:
@@ -98,6 +104,7 @@ def routing_stats(
     cap_ms: float,
     mix: StepMix,
     predicted_accept_len: float,
+    realised_tpot_ms: float | None = None,
 ) -> RoutingStats:
     stats = RoutingStats(
         timestamp=time.time(),
@@ -109,15 +116,20 @@ def routing_stats(
         tokens_per_step=1.0 + mix.accepted,
         verified_per_step=mix.verified,
         predicted_accept_len=predicted_accept_len,
+        realised_tpot_ms=realised_tpot_ms,
     )
     if cost is None:
         return stats
     r = running
     drafted, target = r * mix.drafted, r * (1.0 + mix.verified)
     step = cost.step_ms(r, round(drafted), round(target))
-    more = cost.step_ms(r + 1, round(drafted + mix.drafted), round(target + 1.0 + mix.verified))
+    # Over the next REQUEST_SECANT requests, not the next one: from an idle or near-idle batch the first
+    # request also pays the step's one-off drafting launch, which extrapolated per request overstates
+    # what the several requests a router sends between two stats add.
+    k = REQUEST_SECANT
+    more = cost.step_ms(r + k, round(drafted + k * mix.drafted), round(target + k * (1.0 + mix.verified)))
     stats.step_ms = step
-    stats.request_ms = max(more - step, 0.0)
+    stats.request_ms = max((more - step) / k, 0.0)
     stats.token_ms = max((cost.step_ms(r, round(drafted), round(target) + 8) - step) / 8.0, 1e-3)
     stats.headroom_tokens = headroom_tokens(cost, r, drafted, target, cap_ms, token_budget)
     return stats

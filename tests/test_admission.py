@@ -15,7 +15,7 @@ from replicas.routing_stats import StepMix, routing_stats
 from scheduling.cost_model import StepCostModel
 
 COST = StepCostModel.linear(intercept_ms=8.0, per_request_ms=0.2, per_draft_ms=0.2, per_target_ms=0.3)
-CONFIG = AdmissionConfig(ttft_ms=500.0)
+CONFIG = AdmissionConfig(ttft_ms=500.0, tpot_share=1.0)  # the predictions against the SLO itself; the margin has its own test
 
 
 def stats(running: int, waiting: int = 0, cap_ms: float = 20.0, max_num_seqs: int = 64):
@@ -127,3 +127,68 @@ def test_drain_meter_counts_completions_in_its_window(rate):
         m.completed("a", now=k / rate)
     assert m.rate("a", now=10.0) == pytest.approx(rate, abs=0.5)
     assert m.rate("b", now=10.0) == 0.0
+
+
+def test_realised_tpot_calibrates_the_prediction_both_ways():
+    from cluster.admission import calibration
+
+    # Step = 8 + 0.5 ms per request: 10 running predict a 13 ms TPOT (one token per step here).
+    modelled = stats(10).step_ms
+    assert one(stats(10)).admit
+    # The engine realised 3x its model's TPOT (its CPU shared under overload): the same placement is refused.
+    slow = stats(10).model_copy(update={"realised_tpot_ms": 3.0 * modelled})
+    d = one(slow)
+    assert not d.admit and d.tpot_ms[0] > 20.0 and d.retry_after_s >= 1
+    # Control: realised as modelled changes nothing; realised faster than modelled admits a batch the model refuses.
+    assert one(stats(10).model_copy(update={"realised_tpot_ms": modelled})).admit
+    assert not one(stats(30)).admit
+    assert one(stats(30).model_copy(update={"realised_tpot_ms": 0.5 * stats(30).step_ms})).admit
+    # Bounded, and ignored where the batch is idle now (the realised figure is of a batch that left).
+    fleet = FleetArrays([stats(10).model_copy(update={"realised_tpot_ms": 100.0 * modelled}),
+                         stats(0).model_copy(update={"realised_tpot_ms": 100.0}), stats(10)])
+    scale = calibration(fleet, CONFIG)
+    assert scale[0] == CONFIG.max_calibration and np.isnan(scale[1]) and np.isnan(scale[2])
+
+
+def test_request_cost_from_an_idle_replica_is_not_its_drafting_launch_per_request():
+    from replicas.routing_stats import REQUEST_SECANT
+
+    launching = StepCostModel.linear(intercept_ms=8.0, per_request_ms=0.2, per_draft_ms=0.2, per_target_ms=0.3,
+                                     draft_launch_ms=6.0)
+    mix = StepMix(drafted=4.0, verified=2.0, accepted=1.5)
+    idle = routing_stats(cost=launching, running=0, waiting=0, kv_usage=0.0, max_num_seqs=64, token_budget=4096,
+                         cap_ms=20.0, mix=mix, predicted_accept_len=2.5)
+    k = REQUEST_SECANT
+    truth = launching.step_ms(k, round(k * mix.drafted), round(k * (1 + mix.verified)))
+    assert idle.step_ms + k * idle.request_ms == pytest.approx(truth)
+    # Control: the next request's own cost (launch included), extrapolated to k requests, overstates that step.
+    one_more = launching.step_ms(1, round(mix.drafted), round(1 + mix.verified)) - idle.step_ms
+    assert idle.step_ms + k * one_more > truth + 0.5 * launching.step_ms(0, 0, 0)
+
+
+def test_the_engine_stat_logger_measures_realised_tpot_from_vllm_iteration_stats():
+    from vllm.v1.metrics.stats import IterationStats
+
+    from replicas.metrics import LatestSchedulerStats
+
+    logger = LatestSchedulerStats()
+    it = IterationStats()
+    it.num_generation_tokens = 1 + 3 * 10  # one new request's first token, ten outputs of three tokens
+    it.time_to_first_tokens_iter = [0.05]
+    it.inter_token_latencies_iter = [0.03] * 10
+    logger.record(None, it)
+    tpot, totals = logger.realised_tpot_ms((0.0, 0))
+    assert tpot == pytest.approx(10.0) and totals == (pytest.approx(0.3), 30)
+    # Control: under 16 decoded tokens since the last totals say nothing.
+    small = IterationStats()
+    small.num_generation_tokens, small.inter_token_latencies_iter = 4, [0.01] * 4
+    logger.record(None, small)
+    assert logger.realised_tpot_ms(totals)[0] is None
+
+
+def test_admission_keeps_a_margin_under_the_tpot_slo():
+    # 22 running predict 19.5 ms after joining: inside the 20 ms SLO, outside 75% of it.
+    assert one(stats(22)).admit
+    margin = CONFIG.model_copy(update={"tpot_share": 0.75})
+    assert not one(stats(22), config=margin).admit and one(stats(12), config=margin).admit
+    assert AdmissionConfig().tpot_share == 0.75

@@ -215,7 +215,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def cmd_overload(args: argparse.Namespace) -> int:
     from loadtest.capacity import capacity, format_probe
-    from loadtest.overload import OverloadResult, format_overload, run_row
+    from loadtest.overload import OverloadResult, format_overload, off_row_from, run_row, with_off
 
     try:
         multiples = [float(m) for m in args.multiples.split(",") if m]
@@ -225,20 +225,33 @@ def cmd_overload(args: argparse.Namespace) -> int:
     if (inputs := _load_inputs(args, args.url, args.capacity or args.start_rate)) is None:
         return 2
     base, slo = inputs
-    rate = args.capacity
+    try:
+        off_earlier = off_row_from(Path(args.off_json)) if args.off_json else None
+    except (ValueError, OSError) as e:
+        print(f"forespark overload: --off-json: {e}", file=sys.stderr)
+        return 2
+    rate = args.capacity or (off_earlier.rate if off_earlier else None)  # the earlier run's 1x rate is its capacity
     if rate is None:
         found = capacity(base.model_copy(update={"out_dir": Path(args.out) / "capacity"}), slo, args.start_rate,
                          args.bisect_steps, on_probe=lambda p: print(format_probe(p), flush=True))
         rate = found.max_rate
-    result = OverloadResult(capacity=rate, rows=[run_row(base, slo, m, rate) for m in multiples])
+    if args.off_json and 1.0 not in multiples:
+        multiples.insert(0, 1.0)
+    result, rc = OverloadResult(capacity=rate, rows=[run_row(base, slo, m, rate) for m in multiples]), 0
     if args.off_url:
         off = run_row(base.model_copy(update={"url": args.off_url.rstrip("/")}), slo, 1.0, rate, label="off-")
-        on = next((r for r in result.rows if r.multiple == 1.0), None) or run_row(base, slo, 1.0, rate)
-        result.off_1x = off
-        result.admission_cost_1x = 1.0 - on.goodput / off.goodput if off.goodput > 0 else None
+        if not any(r.multiple == 1.0 for r in result.rows):
+            result.rows.insert(0, run_row(base, slo, 1.0, rate))
+        result = with_off(result, off, "same run")
+    elif off_earlier is not None:
+        try:
+            result = with_off(result, off_earlier, args.off_json)
+        except ValueError as e:  # the rows measured here are still written
+            print(f"forespark overload: --off-json: {e}", file=sys.stderr)
+            rc = 1
     print(format_overload(result))
     _write_json(args.json or str(Path(args.out) / "overload.json"), result.model_dump(mode="json"))
-    return 0
+    return rc
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -589,7 +602,10 @@ def build_parser() -> argparse.ArgumentParser:
     over.add_argument("--url", required=True)
     over.add_argument("--capacity", type=float, help="sustainable rate (req/s); default: found by the capacity search")
     over.add_argument("--multiples", default="1,2,4", help="multiples of the capacity to load at (default 1,2,4)")
-    over.add_argument("--off-url", help="the same application with admission off: its 1x load runs too, for admission's cost")
+    off = over.add_mutually_exclusive_group()
+    off.add_argument("--off-url", help="the same application with admission off: its 1x load runs too, for admission's cost")
+    off.add_argument("--off-json", metavar="PATH", help="admission's cost against the 1x row of an earlier run on the "
+                     "admission-off server, where both cannot run at once (same --seed; --capacity defaults to that run's)")
     over.add_argument("--start-rate", type=float, default=8.0)
     over.add_argument("--bisect-steps", type=int, default=3)
     _add_load_options(over, "results/overload", 30.0)

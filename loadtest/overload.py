@@ -15,11 +15,16 @@ then runs one load test per multiple and reports, per row:
 
 With `--off-url` (the same application with `router.admission.enabled:
 false`), the 1x load also runs there, back to back, and `admission_cost_1x`
-is 1 - goodput(on) / goodput(off).
+is 1 - goodput(on) / goodput(off). Where two servers cannot run side by side
+(a 2-core machine: the idle one still takes CPU), `--off-json PATH` takes the
+1x row of an earlier run against the admission-off server instead (same
+capacity, same seed, so the same arrival schedule); `off_source` then names
+that file, so the JSON says that the two were measured one after the other.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +50,27 @@ class OverloadResult(BaseModel):
     rows: list[OverloadRow]
     off_1x: OverloadRow | None = None
     admission_cost_1x: float | None = None
+    off_source: str | None = None  # "same run" (--off-url) or the JSON of a separate run (--off-json)
+
+
+def with_off(result: OverloadResult, off: OverloadRow, source: str) -> OverloadResult:
+    """`result` with the admission-off server's 1x row and admission's cost at 1x: 1 - goodput(on) / goodput(off)."""
+    on = next((r for r in result.rows if r.multiple == 1.0), None)
+    if on is None:
+        raise ValueError("admission's cost needs a 1x row in the admission-on run")
+    if not math.isclose(off.rate, on.rate, rel_tol=1e-6):
+        raise ValueError(f"the admission-off run loaded {off.rate:g} req/s at 1x, this one {on.rate:g}: not comparable")
+    cost = 1.0 - on.goodput / off.goodput if off.goodput > 0 else None
+    return result.model_copy(update={"off_1x": off, "admission_cost_1x": cost, "off_source": source})
+
+
+def off_row_from(path: Path) -> OverloadRow:
+    """The 1x row of an earlier `forespark overload` run (against the admission-off server)."""
+    earlier = OverloadResult.model_validate_json(Path(path).read_text())
+    row = next((r for r in earlier.rows if r.multiple == 1.0), None)
+    if row is None:
+        raise ValueError(f"{path} has no 1x row")
+    return row
 
 
 def overload_row(multiple: float, rate: float, rows: list[RequestRow], report: LoadTestReport, slo: SLOConfig) -> OverloadRow:
@@ -87,5 +113,6 @@ def format_overload(result: OverloadResult) -> str:
             f"{f(r.reject_p99_ms, '10.0f')} {r.errors_5xx:4d} {f(r.arrival_lag_p99_ms, '10.0f')}"
         )
     if result.admission_cost_1x is not None:
-        lines.append(f"admission cost at 1x: {result.admission_cost_1x:.1%} of goodput (target <= 3%)")
+        lines.append(f"admission cost at 1x: {result.admission_cost_1x:.1%} of goodput (target <= 3%)"
+                     + (f"; off measured in {result.off_source}" if result.off_source and result.off_source != "same run" else ""))
     return "\n".join(lines)

@@ -26,3 +26,26 @@ def test_rows_split_refused_from_admitted_and_count_5xx():
     assert set(json.loads(out.model_dump_json())["rows"][0]) >= {
         "multiple", "rate", "goodput", "attainment_admitted", "rejected_share", "reject_p99_ms", "errors_5xx"}
     assert "2x" in format_overload(out)
+
+
+def test_admission_cost_against_an_earlier_admission_off_run_at_the_same_rate(tmp_path):
+    import pytest
+
+    from loadtest.overload import OverloadRow, off_row_from, with_off
+
+    def r(multiple, rate, goodput):
+        return OverloadRow(multiple=multiple, rate=rate, goodput=goodput, attainment_admitted=1.0, rejected_share=0.0,
+                           reject_p99_ms=None, errors_5xx=0)
+
+    off_run = OverloadResult(capacity=10.0, rows=[r(1.0, 10.0, 9.8)])
+    path = tmp_path / "off.json"
+    path.write_text(off_run.model_dump_json())
+    on = OverloadResult(capacity=10.0, rows=[r(1.0, 10.0, 9.604), r(2.0, 20.0, 9.5)])
+    merged = with_off(on, off_row_from(path), str(path))
+    assert merged.admission_cost_1x == pytest.approx(0.02) and merged.off_source == str(path)
+    assert merged.off_1x.goodput == 9.8 and str(path) in format_overload(merged)
+    # Control: an off run at another rate is not comparable, and a run without a 1x row gives no cost.
+    with pytest.raises(ValueError, match="not comparable"):
+        with_off(OverloadResult(capacity=12.0, rows=[r(1.0, 12.0, 9.6)]), off_row_from(path), str(path))
+    with pytest.raises(ValueError, match="1x"):
+        with_off(OverloadResult(capacity=10.0, rows=[r(2.0, 20.0, 9.5)]), off_row_from(path), str(path))

@@ -2,13 +2,30 @@
 
 A request the planner leaves undrafted yields no verdict, so a wrong belief
 about it would never be corrected. After `interval` of its steps without a
-verified draft, a request becomes due: the next plan forces one draft slot
-for it (a `lo` of 1, which the planner prices like any forced slot), and its
-verdict reaches the estimator and `scheduling.recalibration`. A rejected
-probe doubles that request's interval (up to `max_backoff` times the base),
-an accepted one resets it, so requests that keep rejecting cost ever fewer
-probes. A probe's width is chosen before drafting from earlier verdicts
-only: exploration changes which drafts are verified, never how.
+verified draft, a request becomes due: a plan forces one draft slot for it (a
+`lo` of 1, which the planner prices like any forced slot), and its verdict
+reaches the estimator and `scheduling.recalibration`. A rejected probe doubles
+that request's interval (up to `max_backoff` times the base), an accepted one
+resets it, so requests that keep rejecting cost ever fewer probes.
+
+A probe's price is mostly the drafter's launch (and storing the context that
+steps without drafts deferred), paid once per step whoever drafts. Probes
+therefore ride on steps that draft anyway, and otherwise wait for a probe
+round: one step that drafts only to probe, for every request due then. Rounds
+are paid from a budget: every step earns `budget` times its predicted time,
+and a round runs when the credit covers its predicted extra cost. An engine
+probes as often as it can afford to: at one request on this CPU a round costs
+about a step and runs every few dozen steps; at 64 a round that first stores
+the context of the steps held since the last costs as much as three plain
+steps and runs every hundred or more. (Per-request probes kept a loaded engine
+drafting in nearly every step: 64 requests each due every 16 of its steps is
+four probes a step, and with the launch paid the planner drafted more around
+them, wcs 0.88-0.92x of `ar`. Rounds backed off by a step count instead left
+an engine at one request holding while its drafts would have paid: a request
+lives fewer steps than the backed-off interval.)
+
+A probe's width is chosen before drafting from earlier verdicts only:
+exploration changes which drafts are verified, never how.
 """
 
 from __future__ import annotations
@@ -17,20 +34,19 @@ import numpy as np
 
 
 class ProbeSchedule:
-    def __init__(self, interval: int = 16, max_backoff: int = 8) -> None:
-        if interval < 1 or max_backoff < 1:
-            raise ValueError("need interval >= 1 and max_backoff >= 1")
+    def __init__(self, interval: int = 16, max_backoff: int = 8, budget: float = 0.02) -> None:
+        if interval < 1 or max_backoff < 1 or not 0.0 < budget < 1.0:
+            raise ValueError("need interval >= 1, max_backoff >= 1 and 0 < budget < 1")
         self.interval = interval
         self.max_backoff = max_backoff
+        self.budget = budget  # share of step time probe rounds may cost
         self._since: dict[str, int] = {}  # request -> its steps since its last verified draft (or arrival)
         self._every: dict[str, int] = {}  # request -> its current interval
-        self._step = 0  # engine steps observed
-        self._last_round = -interval  # the step of the last probe round (a round is open at once)
-        self.round_every = interval  # engine steps from one probe round to the next
+        self.credit_ms = 0.0  # what probe rounds may still spend
+        self.round_ms = 0.0  # the last predicted cost of a round (0 until one was priced)
 
     def observe(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> bool:
-        """One step of these requests; True when some of them are due for a probe next and a probe round is open."""
-        self._step += 1
+        """One step of these requests; True when some of them are due for a probe and a round is affordable."""
         due = False
         for r, v, a in zip(req_ids, np.asarray(verified).tolist(), np.asarray(accepted).tolist()):
             if v > 0:
@@ -42,20 +58,20 @@ class ProbeSchedule:
             else:
                 since = self._since[r] = self._since.get(r, 0) + 1
                 due = due or since >= self._every.get(r, self.interval)
-        return due and self.round_open()
+        return due and self.affordable(self.round_ms)
 
-    def round_open(self) -> bool:
-        """A step that drafts only to probe may run now."""
-        return self._step - self._last_round >= self.round_every
+    def earn(self, step_ms: float) -> None:
+        """A step of `step_ms` (predicted) ran: the budget's share of it becomes credit, up to two rounds' worth
+        (credit saved while drafting paid must not buy a burst of rounds when it stops)."""
+        cap = 2.0 * self.round_ms if self.round_ms > 0 else float("inf")
+        self.credit_ms = min(self.credit_ms + self.budget * step_ms, cap)
 
-    def probed(self) -> None:
-        """This step was a probe round (the planner alone would have drafted nothing): the next opens later."""
-        self._last_round = self._step
-        self.round_every = min(2 * self.round_every, self.interval * self.max_backoff)
+    def affordable(self, cost_ms: float) -> bool:
+        return self.credit_ms >= cost_ms
 
-    def drafting(self) -> None:
-        """The planner drafted on its own this step: probe rounds are back to their base interval."""
-        self.round_every = self.interval
+    def probed(self, cost_ms: float) -> None:
+        """A probe round of predicted extra cost `cost_ms` runs this step."""
+        self.credit_ms -= cost_ms
 
     def due(self, req_ids: list[str]) -> np.ndarray:
         """(B,) int64: 1 for the requests due for a probe, else 0."""

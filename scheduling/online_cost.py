@@ -13,9 +13,10 @@ share of a step was 1.8 times its profile), and steps with prefill chunks
 
 `OnlineCostModel` regresses the residual (measured period minus the
 profile's prediction for that step's R, D and N) over the last `window`
-steps on five columns: 1, [D > 0], the profile's per-token drafting time
-g_draft(D), the drafter context rows the step stored before drafting
-(context of earlier steps that did not draft) and the step's prefill tokens.
+steps on four columns: 1, [D > 0], the profile's per-token drafting time
+g_draft(D) and the step's prefill tokens. What the step spent storing the
+drafter context that earlier steps without drafts deferred is timed apart
+and taken out of its residual.
 
 - The constant moves the profiled intercept: to the planner it is work it
   cannot change, and it makes every drafted token cheaper relative to the
@@ -27,9 +28,14 @@ g_draft(D), the drafter context rows the step stored before drafting
 - g_draft(D) scales the drafted-token slopes: at 64 requests the launch
   alone could not price a step drafting 120 tokens, and the planner kept
   drafting at a loss (wcs 0.85x of `ar` in the engine bench).
-- Context rows price staying ready to draft: a step that drafts after a
-  run of steps without drafts first stores all their context, at a cost per
-  row the planner adds to that step's launch (`launch_ms(rows)`).
+- Stored context prices staying ready to draft: a step that drafts after a
+  run of steps without drafts first stores all their context, at a measured
+  cost per row (a decayed ratio of time to rows over such stores) that
+  prices probe rounds (`launch_ms(rows)`; replicas/wcs/controller.py says
+  why plans leave it out). Regressing it on
+  the step periods instead was ill-posed: in an engine at one request it
+  priced a row at 0.5 ms (a store of 64 rows takes well under 1 ms) and
+  kept the planner from drafting where drafting paid 1.25x.
 - The prefill term moves nothing: prefill is work per request, done once
   whatever the steps look like (fewer, longer steps carry more of it each),
   so counting it into every step's intercept makes drafting look cheaper
@@ -46,7 +52,12 @@ the drafting terms back to the profile, which made the planner return to
 drafting at a loss every `window` steps. They are revised by the next
 drafting steps, which exploration's probes keep coming (without probes one
 expensive flush could stop drafting for good: +19 ms on the launch from a
-handful of steps in an engine run, then no drafting step to revise it).
+handful of steps in an engine run, then no drafting step to revise it). So
+that a few outliers (a first call's warm-up) cannot do the same, residuals
+are clipped to [-0.75, 2] times the step's prediction, and rows fade with a
+half-life of `4 * window` steps: a drafter priced at 130 ms a launch from the
+warm-up steps of an engine bench kept the planner from drafting for a whole
+run where drafting paid 1.25x.
 Fed only with timings and counts, never with draft tokens, so it keeps every
 policy lossless.
 """
@@ -58,9 +69,9 @@ import numpy as np
 from scheduling.cost_model import StepCostModel
 
 PREFILL_UNIT = 100.0  # prefill tokens per regression unit (keeps the columns on one scale)
-CONTEXT_UNIT = 100.0  # drafter context rows per regression unit
 MIN_INTERCEPT_MS = 0.01
 MIN_DRAFT_SCALE = 0.25  # the served drafted-token slopes never fall below this share of the profile's
+STORE_DECAY = 0.95  # per timed context store, in the time-per-row ratio
 
 
 class OnlineCostModel:
@@ -71,6 +82,7 @@ class OnlineCostModel:
         refresh_every: int = 16,
         min_change_ms: float = 0.5,
         prior_weight: float = 8.0,
+        half_life_steps: int | None = None,
     ) -> None:
         if window < 1 or refresh_every < 1 or prior_weight <= 0:
             raise ValueError("need window >= 1, refresh_every >= 1 and prior_weight > 0")
@@ -81,13 +93,16 @@ class OnlineCostModel:
         self.prior_weight = prior_weight  # steps' worth of evidence that the profile's launch cost is right
         # The last `window` steps without drafts and, apart, the last `window` drafting steps, so a long run
         # without drafting (or another policy's) does not wash out what drafting was seen to cost.
-        # Columns: 1, drafted at all, profiled g_draft(D), context rows, prefill tokens.
-        self._x = np.zeros((2, window, 5))
+        # Columns: 1, drafted at all, profiled g_draft(D), prefill tokens.
+        self._x = np.zeros((2, window, 4))
         self._y = np.zeros((2, window))
+        self._t = np.zeros((2, window))  # when each row was observed (`seen`)
+        self.half_life = half_life_steps or 4 * window  # rows weigh half as much this many steps later
         self._seen = [0, 0]  # steps observed without drafts, drafting
         self.seen = 0  # steps observed
         self.draft_scale = 1.0  # served drafted-token slopes over the profile's
         self.context_ms_per_row = 0.0  # what storing one deferred context row adds to a drafting step
+        self._stored = np.zeros(2)  # decayed (ms, rows) of the context stores timed
 
     @property
     def offset_ms(self) -> float:
@@ -104,23 +119,32 @@ class OnlineCostModel:
         return self.model.draft_launch_ms + self.context_ms_per_row * context_rows
 
     def observe(
-        self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0, context_rows: int = 0
+        self,
+        requests: int,
+        drafted: int,
+        target: int,
+        period_ms: float,
+        prefill: int = 0,
+        context_rows: int = 0,
+        context_ms: float = 0.0,
     ) -> None:
         """One step with `requests` planned requests, `drafted` draft tokens, `target` tokens as the
         planner counts them (requests + verified drafts) and `prefill` more target tokens of prefill
-        chunks took `period_ms` from its start to the next's; before drafting it stored `context_rows`
-        rows of drafter context deferred by earlier steps."""
+        chunks took `period_ms` from its start to the next's, of which `context_ms` went into storing
+        `context_rows` rows of drafter context deferred by earlier steps."""
+        if context_rows > 0:
+            self._stored = STORE_DECAY * self._stored + (context_ms, context_rows)
+            self.context_ms_per_row = float(self._stored[0] / self._stored[1])
+        period_ms -= context_ms
         drafting = int(drafted > 0)  # (an int: numpy reads a bool index as a mask)
         j = self._seen[drafting] % self._y.shape[1]
         self._seen[drafting] += 1
-        self._x[drafting, j] = (
-            1.0,
-            float(drafting),
-            float(self.profiled.drafted(float(drafted))),
-            context_rows / CONTEXT_UNIT if drafting else 0.0,
-            prefill / PREFILL_UNIT,
-        )
-        self._y[drafting, j] = period_ms - self.profiled.step_ms(requests, drafted, target)
+        self._x[drafting, j] = (1.0, float(drafting), float(self.profiled.drafted(float(drafted))), prefill / PREFILL_UNIT)
+        predicted = self.profiled.step_ms(requests, drafted, target)
+        # A step far off its prediction (a first call's warm-up, a pause of the host) says little about the next:
+        # its residual is clipped so that a few such steps cannot price drafting out for good.
+        self._y[drafting, j] = float(np.clip(period_ms - predicted, -0.75 * predicted, 2.0 * predicted))
+        self._t[drafting, j] = self.seen
         self.seen += 1
         if self.seen % self.refresh_every == 0:
             self._refresh()
@@ -129,12 +153,15 @@ class OnlineCostModel:
         n = [min(seen, self._y.shape[1]) for seen in self._seen]
         x = np.concatenate([self._x[0, : n[0]], self._x[1, : n[1]]])
         y = np.concatenate([self._y[0, : n[0]], self._y[1, : n[1]]])
+        # Older rows weigh less: drafting steps kept through a long hold fade towards the profile, slowly.
+        w = 0.5 ** ((self.seen - np.concatenate([self._t[0, : n[0]], self._t[1, : n[1]]])) / self.half_life)
         # Each column's prior is worth `prior_weight` steps of its typical (mean square over drafting steps) size.
         drafting = x[:, 1] > 0
-        typical = (x[drafting] ** 2).mean(axis=0) if drafting.any() else np.ones(5)
-        typical[4] = 1.0
+        typical = (x[drafting] ** 2).mean(axis=0) if drafting.any() else np.ones(4)
+        typical[3] = 1.0
         prior = np.diag(np.concatenate([[0.0], self.prior_weight * np.maximum(typical[1:], 1e-6)]))
-        coef = np.linalg.solve(x.T @ x + prior, x.T @ y)  # positive definite: n > 0 on the constant, the prior on the rest
+        xw = x * w[:, None]
+        coef = np.linalg.solve(xw.T @ x + prior, xw.T @ y)  # positive definite: n > 0 on the constant, the prior on the rest
         fixed = float(coef[0])  # the prefill coefficient only keeps prefill out of the constant
         # The served model must stay a step-cost model: a non-negative intercept and launch cost. Plain floats:
         # the offsets travel in the engine's stats, and vLLM's serialiser refuses numpy scalars.
@@ -143,7 +170,6 @@ class OnlineCostModel:
         intercept = max(self.profiled.intercept_ms + fixed, MIN_INTERCEPT_MS)
         launch = max(self.profiled.draft_launch_ms + float(coef[1]), 0.0)
         scale = max(1.0 + float(coef[2]), MIN_DRAFT_SCALE)
-        self.context_ms_per_row = max(float(coef[3]) / CONTEXT_UNIT, 0.0)
         reference = float(self.profiled.drafted(64.0))  # how far a new scale moves a typical step's drafting
         if (
             abs(intercept - self.model.intercept_ms) >= self.min_change_ms

@@ -98,8 +98,11 @@ def test_without_probes_or_recalibration_the_wrong_belief_is_never_corrected(con
 
 
 def test_a_due_probe_ends_a_hold_and_drafts_one_token_for_that_request_only():
-    never_pays = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=100.0, per_target_ms=0.05)
-    ctl = StepController(WCSConfig(explore_every=4, replan_every=64, replan_max=64), K, ConstantEstimator(K, 0.5), cost=never_pays)
+    # A drafted token at 0.5 earns 0.1 tokens per ms, half what a step without drafts does; a probe round
+    # costs half a step, which a budget of half the step time affords at once.
+    never_pays = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=5.0, per_target_ms=0.05)
+    config = WCSConfig(explore_every=4, explore_budget=0.5, replan_every=64, replan_max=64)
+    ctl = StepController(config, K, ConstantEstimator(K, 0.5), cost=never_pays)
     ids, zero = ["old", "new"], np.zeros(2, np.int64)
     drafts = []
     for n in range(6):
@@ -111,19 +114,21 @@ def test_a_due_probe_ends_a_hold_and_drafts_one_token_for_that_request_only():
     assert drafts[:3] == [[0], [0, 0], [0, 0]] and drafts[3] == [1, 0]
 
 
-def test_probe_rounds_back_off_while_the_planner_drafts_nothing_and_reset_when_it_drafts():
-    probes = ProbeSchedule(interval=4, max_backoff=4)
-    assert probes.round_open()
-    probes.probed()
-    assert probes.round_every == 8 and not probes.round_open()
-    probes.probed()
-    probes.probed()
-    assert probes.round_every == 16  # capped at interval * max_backoff
-    probes.drafting()
-    assert probes.round_every == 4
+def test_probe_rounds_are_paid_from_a_budget_of_step_time():
+    probes = ProbeSchedule(interval=4, budget=0.1)
+    assert probes.affordable(0.0) and not probes.affordable(1.0)
+    for _ in range(5):
+        probes.earn(10.0)
+    assert probes.credit_ms == pytest.approx(5.0) and probes.affordable(5.0)
+    probes.probed(5.0)
+    assert not probes.affordable(1.0)
+    probes.round_ms = 2.0  # credit is capped at two rounds' worth
+    for _ in range(100):
+        probes.earn(10.0)
+    assert probes.credit_ms == pytest.approx(4.0)
 
 
-def probing_steps(cost: StepCostModel, steps: int = 256, batch: int = 16) -> int:
+def probing_steps(cost: StepCostModel, steps: int = 512, batch: int = 16) -> int:
     """Steps that draft, in an engine whose estimator is right that drafts are accepted at 0.5."""
     ctl = StepController(WCSConfig(explore_every=4), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=cost)
     ids, rng = [f"r{i}" for i in range(batch)], np.random.default_rng(0)
@@ -139,14 +144,17 @@ def probing_steps(cost: StepCostModel, steps: int = 256, batch: int = 16) -> int
     return drafting
 
 
-def test_an_engine_where_drafting_does_not_pay_probes_ever_more_rarely():
-    """Every request falls due every few of its steps, but they are probed together in rounds that back off
-    while the planner drafts nothing on its own (per-request probes had a loaded engine drafting in nearly
-    every step). Nothing is trapped: rounds keep coming. Control: where drafting pays, every step drafts."""
-    dear = TRAP_COST.model_copy(update={"draft_launch_ms": 40.0})
-    rounds = probing_steps(dear)
-    assert 5 <= rounds <= 12, rounds
-    assert probing_steps(TRAP_COST) == 256
+def test_an_engine_where_drafting_does_not_pay_probes_within_its_budget():
+    """Every request falls due every few of its steps, but they are probed together in rounds paid from 2% of
+    step time: rounds twice as dear run about half as often, and nothing is trapped (rounds keep coming).
+    Control: where drafting pays, every step drafts."""
+    base_ms = TRAP_COST.step_ms(16, 0, 16)
+    rounds = {launch: probing_steps(TRAP_COST.model_copy(update={"draft_launch_ms": launch})) for launch in (20.0, 40.0)}
+    for launch, n in rounds.items():
+        affordable = 0.02 * 512 * base_ms / launch
+        assert 0.5 * affordable <= n <= affordable + 2, rounds
+    assert rounds[20.0] > rounds[40.0]
+    assert probing_steps(TRAP_COST) == 512
 
 
 def test_realised_gain_counts_drafts_the_allocator_cut_as_lost():

@@ -72,6 +72,12 @@ class WCSConfig(BaseModel):
         description="a request with no verified draft for this many of its steps gets a one-token probe (its interval "
         "doubles after each rejected probe, up to 8x; scheduling/exploration.py); None: no exploration",
     )
+    explore_budget: float = Field(
+        default=0.02,
+        gt=0.0,
+        lt=1.0,
+        description="share of step time that steps drafting only to probe may cost (scheduling/exploration.py)",
+    )
     recalibrate: bool = Field(
         default=True,
         description="move the estimator's per-position predictions to the acceptance realised while serving "

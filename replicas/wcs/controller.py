@@ -45,8 +45,6 @@ from scheduling.traces import PreDraftInputs, Traces
 logger = logging.getLogger(__name__)
 
 # Used only until the engine's own profile is loaded (`replicas.wcs.profiler`); logged when used.
-# Launch costs priced with deferred context are rounded to this, so a handful of model copies serve all steps.
-LAUNCH_QUANTUM_MS = 0.25
 UNPROFILED_COST = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.02, per_target_ms=0.05)
 
 
@@ -88,7 +86,7 @@ class StepController:
         self.tracker = AcceptanceTracker(k, config.history_decay)
         self.recalibrator = OnlineRecalibrator(k) if config.recalibrate else None
         self.gain = RealisedGain(k) if config.recalibrate else None
-        self.probes = ProbeSchedule(config.explore_every) if config.explore_every else None
+        self.probes = ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None
         self._probes_due = False  # some request is due for a probe: do not hold
         self.set_policy(config.policy)
         self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
@@ -100,9 +98,6 @@ class StepController:
         self._survival = np.zeros((0, k))  # pre-draft survival the plan was made on
         self._draft = np.zeros(0, dtype=np.int64)
         self._paced_from: dict[str, tuple[float, int]] = {}  # request -> (when it was first planned, tokens it had then)
-        self._step_cost: StepCostModel | None = None  # what this step's plan was priced with
-        self._priced_for: StepCostModel | None = None
-        self._priced_cache: dict[float, StepCostModel] = {}
 
     def set_policy(self, name: PolicyName | str) -> None:
         self.policy = Policy(
@@ -143,26 +138,25 @@ class StepController:
         """What the online correction adds to the profiled drafter launch cost now."""
         return 0.0 if self._online is None else self._online.launch_offset_ms
 
-    def priced(self, context_rows: int) -> StepCostModel:
-        """`cost_model` with this step's launch cost: the drafter first stores `context_rows` deferred rows."""
-        model, online = self.cost_model, self._online
-        if online is None or not context_rows or online.context_ms_per_row <= 0.0:
-            return model
-        launch = round(online.launch_ms(context_rows) / LAUNCH_QUANTUM_MS) * LAUNCH_QUANTUM_MS
-        if self._priced_for is not model:  # a new served model: the copies priced from the old one are stale
-            self._priced_for, self._priced_cache = model, {}
-        if launch not in self._priced_cache:
-            self._priced_cache[launch] = model.model_copy(update={"draft_launch_ms": launch})
-        return self._priced_cache[launch]
+    def context_ms(self, rows: int) -> float:
+        """What storing `rows` deferred drafter context rows is measured to cost."""
+        return 0.0 if self._online is None else self._online.context_ms_per_row * rows
 
     def observe_step(
-        self, requests: int, drafted: int, target: int, period_ms: float, prefill: int = 0, context_rows: int = 0
+        self,
+        requests: int,
+        drafted: int,
+        target: int,
+        period_ms: float,
+        prefill: int = 0,
+        context_rows: int = 0,
+        context_ms: float = 0.0,
     ) -> None:
         """A served step (see `OnlineCostModel.observe`). Profiling steps are not fed: the profile is fitted on
         them. Without `config.online_cost` the profile alone prices steps."""
         online = self._online
         if online is not None and self.profiling is None and self.config.online_cost:
-            online.observe(requests, drafted, target, period_ms, prefill, context_rows)
+            online.observe(requests, drafted, target, period_ms, prefill, context_rows, context_ms)
             if online.seen % 1024 == 0:
                 logger.info(
                     "step cost online: %+.1f ms on the profiled intercept, %+.1f ms on the drafter launch",
@@ -212,7 +206,10 @@ class StepController:
         """Draft widths d_i <= max_width_i (0 for requests that cannot use a draft now).
 
         `generated` (B,): each request's output tokens so far, which the TPOT pace needs (`pace_tpot_ms`).
-        `context_rows`: deferred drafter context a drafting step would store first (priced into its launch).
+        `context_rows`: deferred drafter context a drafting step would store first. It prices probe rounds, not
+        plans: the store is owed by any later drafting step too, and pricing it into the plan made an engine
+        that held for a while ever less willing to draft again (at one request, a launch priced at 10 ms of
+        a 3.5 ms step kept it holding where drafting paid 1.25x).
 
         `features` may be None only when `needs_drafter()` is False or `holds_no_drafts()` is True.
         `share` makes every tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`);
@@ -243,25 +240,28 @@ class StepController:
                 draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
             else:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
-                self._step_cost = self.priced(context_rows)
+                cost = self.cost_model
 
                 def plan(probes: np.ndarray | None) -> DraftPlan:
                     return self.policy.plan(
-                        survival, self._step_cost, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
+                        survival, cost, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
                     )
 
                 # Probes ride on a plan that drafts anyway, or wait for a probe round (scheduling/exploration.py).
                 self._plan = plan(None)
                 if self.probes is not None:
-                    if self._plan.draft.any():
-                        self.probes.drafting()
                     due = np.minimum(self.probes.due(req_ids), max_width)
-                    if due.any() and (self._plan.draft.any() or self.probes.round_open()):
-                        if not self._plan.draft.any():
-                            self.probes.probed()
-                        probes = due
-                        self._plan = plan(probes)
-                        self.stats.probes += int(probes.sum())
+                    if due.any():
+                        with_probes = plan(due)
+                        alone = not self._plan.draft.any()
+                        extra = max(with_probes.step_ms - self._plan.step_ms, 0.0) + alone * self.context_ms(context_rows)
+                        if alone:
+                            self.probes.round_ms = extra
+                        if not alone or self.probes.affordable(extra):
+                            if alone:
+                                self.probes.probed(extra)
+                            probes, self._plan = due, with_probes
+                            self.stats.probes += int(due.sum())
                 draft = self._plan.draft
             if share is not None:
                 self._plan, draft = share((self._plan, draft))
@@ -272,6 +272,8 @@ class StepController:
             self._hold = min(2 * self._hold, self.config.replan_max) if nothing and self._drafted_nothing else self.config.replan_every
             self._held, self._drafted_nothing = 0, nothing
         self._draft = np.asarray(draft, dtype=np.int64)
+        if self.probes is not None:
+            self.probes.earn(self.cost_model.step_ms(len(req_ids), 0, len(req_ids)))
         self.stats.steps += 1
         self.stats.planned_requests += len(req_ids)
         self.stats.add_positions("drafted_per_pos", self._draft)
@@ -320,7 +322,7 @@ class StepController:
         if self._plan is None:
             return np.zeros_like(draft)
         post = self.calibrator.survival(confidence, prior, draft)
-        return self.policy.verify(post, self._plan, self._step_cost or self.cost_model, self.limits)
+        return self.policy.verify(post, self._plan, self.cost_model, self.limits)
 
     def predicted_accept_len(self) -> float:
         """Mean predicted accepted length (1 + expected accepted drafts at full width) over the last

@@ -52,6 +52,7 @@ class StepSample:
     planner_ms: float
     planned: tuple[str, ...]  # requests planned this step
     context_rows: int = 0  # deferred drafter context rows stored before drafting
+    context_ms: float = 0.0  # ... and the time that took
 
 
 class _ProposeArgs(NamedTuple):
@@ -130,7 +131,13 @@ class WCSRunnerMixin:
             planned = last.requests + last.verified_tokens
             period_ms = (now - last.start) * 1e3
             self.wcs.observe_step(
-                last.requests, last.drafted_tokens, planned, period_ms, last.target_tokens - planned, last.context_rows
+                last.requests,
+                last.drafted_tokens,
+                planned,
+                period_ms,
+                last.target_tokens - planned,
+                last.context_rows,
+                last.context_ms,
             )
 
     def _sample(self, logits, spec_decode_metadata):
@@ -189,9 +196,14 @@ class WCSRunnerMixin:
             self._wcs_defer_context(scheduler_output, a.hidden_states, a.aux_hidden_states, a.common_attn_metadata)
             return self._wcs_no_drafts(req_ids, planner_ms, (time.perf_counter() - t1) * 1e3, sample_hidden_states.device)
         t1 = time.perf_counter()
-        if self._wcs_step is not None:
-            self._wcs_step.context_rows = drafter.pending_rows
+        rows = drafter.pending_rows
+        if rows:
+            _sync(self.device)
         drafter.flush_context()
+        if rows and self._wcs_step is not None:
+            _sync(self.device)  # the store is timed apart: the cost model prices it per row
+            self._wcs_step.context_rows = rows
+            self._wcs_step.context_ms = (time.perf_counter() - t1) * 1e3
         drafter.widths = torch.from_numpy(draft)
         drafter.forward_rows = 0
         try:
@@ -262,6 +274,11 @@ class WCSRunnerMixin:
         if ids is None:
             return None
         return DraftTokenIds(ids.req_ids, [_strip(x) for x in ids.draft_token_ids])
+
+
+def _sync(device) -> None:
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _strip(tokens: list[int]) -> list[int]:

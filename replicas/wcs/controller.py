@@ -242,18 +242,18 @@ class StepController:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
                 cost = self.cost_model
 
-                def plan(probes: np.ndarray | None) -> DraftPlan:
-                    return self.policy.plan(
-                        survival, cost, self.limits, max_width, validate=False, slack_ms=slack, probes=probes
-                    )
+                def plan(probes: np.ndarray | None, widths: np.ndarray = max_width) -> DraftPlan:
+                    return self.policy.plan(survival, cost, self.limits, widths, validate=False, slack_ms=slack, probes=probes)
 
-                # Probes ride on a plan that drafts anyway, or wait for a probe round (scheduling/exploration.py).
+                # Probes ride on a plan that drafts anyway, or wait for a probe round (scheduling/exploration.py),
+                # which drafts the probes and nothing else: drafts added around them because the launch is paid
+                # anyway were near break-even and mostly cut after drafting (half the drafts at 128 requests).
                 self._plan = plan(None)
                 if self.probes is not None:
                     due = np.minimum(self.probes.due(req_ids), max_width)
                     if due.any():
-                        with_probes = plan(due)
                         alone = not self._plan.draft.any()
+                        with_probes = plan(due, due if alone else max_width)
                         extra = max(with_probes.step_ms - self._plan.step_ms, 0.0) + alone * self.context_ms(context_rows)
                         if alone:
                             self.probes.round_ms = extra

@@ -63,7 +63,7 @@ def test_drafted_tokens_dearer_than_profiled_scale_the_drafting_slopes():
     profile's price leave the slopes alone."""
     online = OnlineCostModel(PROFILE)
     feed(online, 256, lambda rng, d, p: 0.8 * 0.3 * d + rng.normal(0.0, 1.0), draft_share=0.5)
-    assert online.draft_scale == pytest.approx(1.8, abs=0.15)
+    assert online.draft_scale == pytest.approx(1.8, abs=0.25)  # (shrunk a little: rows at other loads weigh less)
     assert abs(online.launch_offset_ms) < 2.0 and abs(online.offset_ms) < 1.5
     rng = np.random.default_rng(0)
     survival = np.cumprod(rng.uniform(0.5, 0.8, size=(12, 8)), axis=1)
@@ -83,6 +83,35 @@ def feed_context(online: OnlineCostModel, ms_per_row: float, steps: int = 256) -
         n = r + d // 2
         store = ms_per_row * rows * rng.uniform(0.8, 1.2)
         online.observe(r, d, n, PROFILE.step_ms(r, d, n) + store + rng.normal(0.0, 0.5), 0, rows, store)
+
+
+def stretch(online: OnlineCostModel, r: int, scale: float, steps: int, seed: int) -> None:
+    """Steps at `r` requests, half of them drafting, whose drafting costs `scale` times its profile."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        d = int(rng.integers(1, 4 * r + 1)) if rng.random() < 0.5 else 0
+        n = r + d // 2
+        extra = (scale - 1.0) * float(PROFILE.drafted(float(d)))
+        online.observe(r, d, n, PROFILE.step_ms(r, d, n) + extra + rng.normal(0.0, 0.3))
+
+
+def test_the_correction_is_local_to_the_load_it_was_measured_at(monkeypatch):
+    """Drafting as profiled at 4 requests and at 1.8x its profile at 64: back at 4 the engine prices it as
+    profiled, and back at 64 its old rows count again at once. Negative control: judged without regard to
+    load, the two loads blend."""
+    online = OnlineCostModel(PROFILE)
+    stretch(online, 64, 1.8, 128, seed=0)
+    stretch(online, 4, 1.0, 128, seed=1)
+    assert online.draft_scale == pytest.approx(1.0, abs=0.1)
+    stretch(online, 64, 1.8, 32, seed=2)
+    assert online.draft_scale > 1.5
+    import scheduling.online_cost as online_cost
+
+    monkeypatch.setattr(online_cost, "LOAD_WIDTH", 1e9)
+    blind = OnlineCostModel(PROFILE)
+    stretch(blind, 64, 1.8, 128, seed=0)
+    stretch(blind, 4, 1.0, 128, seed=1)
+    assert blind.draft_scale > 1.2
 
 
 def test_stored_context_is_priced_per_row_into_the_next_drafting_step():
@@ -118,11 +147,14 @@ def test_prefill_chunks_are_kept_out_of_the_intercept():
     assert shifted.offset_ms == pytest.approx(5.0, abs=1.0)
 
 
-def test_few_drafting_steps_move_the_launch_cost_little_and_only_drafting_steps_revise_it():
+def test_few_drafting_steps_move_the_launch_cost_little_and_only_drafting_steps_revise_it(monkeypatch):
     """The ridge prior: an estimate from a handful of drafting steps is shrunk towards the profile. Drafting
     steps have a window of their own: a long stretch without drafts keeps what drafting was seen to cost (a
     controller holding would otherwise return to drafting at a loss every window), and the next drafting
     steps revise it."""
+    import scheduling.online_cost as online_cost
+
+    monkeypatch.setattr(online_cost, "LOAD_WIDTH", 1e9)  # the steps' loads vary at random here (locality: below)
     many = OnlineCostModel(PROFILE, window=64, half_life_steps=10**9)  # (fading: test_rows_fade_...)
     feed(many, 128, lambda rng, d, p: 10.0 if d else 0.0, draft_share=0.5)
     # What a regression with a ridge prior gives: the evidence on [drafted] from n1 drafting and n0 other

@@ -30,16 +30,19 @@ def app():
     import ray
     from ray import serve
 
-    from cluster.app import AppConfig, build_app
+    from cluster.admission import AdmissionConfig
+    from cluster.app import AppConfig, RouterConfig, build_app
     from cluster.ingress import IngressConfig
     from replicas.deployment import ReplicaConfig
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    # Small limits, so that overload is reachable from one test; a short stats period for the router.
+    # Small limits, so that overload is reachable from one test; a short stats period for the router. A loose
+    # application TTFT SLO: a request can only tighten it (X-SLO-TTFT-Ms), so tests that need a deadline send one.
     config = AppConfig(
         replica=ReplicaConfig(num_replicas=2, max_ongoing_requests=3, max_queued_requests=2, stats_period_s=0.5),
         ingress=IngressConfig(api_key=KEY),
+        router=RouterConfig(admission=AdmissionConfig(ttft_ms=30000.0)),
     )
     serve.run(build_app(config), name="forespark", route_prefix="/")
     yield config
@@ -278,6 +281,82 @@ def test_fuzzed_malformed_bodies_get_4xx_with_an_openai_body_never_5xx(app):
     assert not problems, problems[:10]
     assert sum(n for s, n in outcomes.items() if 400 <= s < 500) >= 150, outcomes  # mostly rejected, as built
     assert complete().status_code == 200
+
+
+def total(text: str, name: str) -> float:
+    """The sum of every sample of `name`, over all its labels (`metric` keeps one sample per replica)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def engine_requests() -> float:
+    """Requests the engines have taken in, over both replicas: finished for any reason (vLLM's
+    `vllm:request_success_total`, one series per `finished_reason`), aborted by a caller that left (not
+    counted by vLLM), and in flight (running or waiting in the engine's scheduler)."""
+    m = metrics()
+    return sum(
+        total(m, name)
+        for name in ("vllm:request_success_total", "forespark_engine_aborted_requests_total",
+                     "vllm:num_requests_running", "vllm:num_requests_waiting")
+    )
+
+
+def queued_behind_full_replicas(deadline_ms: str | None) -> tuple[httpx.Response, float, list[float]]:
+    """Fill both replicas to `max_ongoing_requests` with long generations, then send one request that must
+    wait in the router's queue with the given TTFT deadline (None: the application's). Returns its reply, when it came (s after it was
+    sent) and when each long generation ended (s after the same moment)."""
+    ends: list[float] = []
+    sent = [0.0]
+
+    def long_one(i):
+        while True:  # the load itself may be refused while stats catch up: send it again
+            r = complete(prompt=f"def load{i}(x):", max_tokens=1000, ignore_eos=True, timeout=300)
+            if r.status_code != 429:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        ends.append(time.perf_counter() - sent[0])
+
+    full = 3  # the fixture's max_ongoing_requests per replica
+    threads = [threading.Thread(target=long_one, args=(i,)) for i in range(2 * full)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) >= 2 * full, timeout=60)
+    sent[0] = time.perf_counter()
+    slo = {"X-SLO-TTFT-Ms": deadline_ms} if deadline_ms else {}
+    r = complete(prompt="def late(x):", headers_extra=slo, timeout=300)
+    answered = time.perf_counter() - sent[0]
+    for t in threads:
+        t.join(timeout=300)
+    assert len(ends) == 2 * full
+    return r, answered, ends
+
+
+def test_a_request_whose_deadline_passes_in_the_router_queue_never_reaches_an_engine(app):
+    assert app.replica.max_ongoing_requests == 3 and app.router.admission.ttft_ms > 10000
+    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=180)
+    complete()  # fresh stats: admission decides (no cold-start fallback)
+    time.sleep(1.5)  # the board's texts are refreshed every stats period: `before` counts that request
+    refused = lambda: metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="refused").get("", 0)  # noqa: E731
+    before, refused_before = engine_requests(), refused()
+    r, answered, ends = queued_behind_full_replicas("1500")
+    # Admitted at first (the replicas' batches had room), it waited for a free slot until its deadline was
+    # predicted to pass, and was dropped there: 429 while every long generation still ran.
+    assert r.status_code == 429 and r.json()["error"]["code"] == 429, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    assert 0.5 < answered < min(ends), (answered, sorted(ends))
+    assert refused() == refused_before + 1
+    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=60)
+    time.sleep(1.5)  # the board's texts are refreshed every stats period
+    assert engine_requests() - before == 6  # the six long ones only
+    # Control: the same request under the application's loose TTFT SLO (30 s; a header can only tighten it)
+    # waits for a slot, is served, and the counters see it.
+    before = engine_requests()
+    r, answered, ends = queued_behind_full_replicas(None)
+    assert r.status_code == 200 and answered > min(ends), (r.status_code, answered, sorted(ends))
+    time.sleep(1.5)
+    assert engine_requests() - before == 7
 
 
 def test_a_replica_killed_under_load_hangs_no_request_and_the_other_serves_on(app):

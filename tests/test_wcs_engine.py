@@ -171,7 +171,7 @@ def test_plans_without_drafts_hold_for_the_next_steps(llm):
 def test_served_steps_correct_the_step_cost_online(llm):
     """Steps that run back to back feed the online correction (`scheduling/online_cost.py`): the
     offsets the engine reports are those of a correction fed, here, with the step log's rows (R, D,
-    planned target tokens, period, prefill tokens). The profile is off by tens of milliseconds (steps
+    planned target tokens, period, prefill tokens, stored context rows and their time). The profile is off by tens of milliseconds (steps
     here take a few), so the correction must move it whatever this machine's speed; drafting still
     pays under it. Negative control: with the correction off the profile is served as it is."""
     from vllm import SamplingParams
@@ -195,7 +195,11 @@ def test_served_steps_correct_the_step_cost_online(llm):
     for s, nxt in zip(steps, steps[1:]):
         if s["planned"] and set(s["planned"]) & set(nxt["planned"]):
             planned = s["requests"] + s["verified_tokens"]
-            replay.observe(s["requests"], s["drafted_tokens"], planned, (nxt["start"] - s["start"]) * 1e3, s["target_tokens"] - planned)
+            period_ms = (nxt["start"] - s["start"]) * 1e3
+            replay.observe(
+                s["requests"], s["drafted_tokens"], planned, period_ms, s["target_tokens"] - planned,
+                s["context_rows"], s["context_ms"],
+            )
     assert replay.seen >= 32 and sum(s["drafted_tokens"] for s in steps) > 0
     assert replay.offset_ms < -5.0  # corrected towards what the steps took
     assert reported.step_cost_offset_ms == pytest.approx(replay.offset_ms, abs=1e-6)

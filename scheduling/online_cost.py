@@ -32,10 +32,10 @@ and taken out of its residual.
   run of steps without drafts first stores all their context, at a measured
   cost per row (a decayed ratio of time to rows over such stores) that
   prices probe rounds (`launch_ms(rows)`; replicas/wcs/controller.py says
-  why plans leave it out). Regressing it on
-  the step periods instead was ill-posed: in an engine at one request it
-  priced a row at 0.5 ms (a store of 64 rows takes well under 1 ms) and
-  kept the planner from drafting where drafting paid 1.25x.
+  why plans leave it out). Regressing it on the step periods instead was
+  ill-posed: in an engine at one request it priced a row at 0.5 ms, 25
+  times what the timed stores show, and kept the planner from drafting
+  where drafting paid 1.25x.
 - The prefill term moves nothing: prefill is work per request, done once
   whatever the steps look like (fewer, longer steps carry more of it each),
   so counting it into every step's intercept makes drafting look cheaper
@@ -48,8 +48,8 @@ by a ridge prior worth `prior_weight` typical steps of its column, so a
 handful of drafting steps moves the drafting terms little. Drafting steps
 are kept in a window of their own: a long stretch without drafts (the
 controller holding, or another policy in the engine bench) does not hand
-the drafting terms back to the profile, which made the planner return to
-drafting at a loss every `window` steps. They are revised by the next
+the drafting terms back to the profile, from which the planner would
+return to drafting at a loss every `window` steps. They are revised by the next
 drafting steps, which exploration's probes keep coming (without probes one
 expensive flush could stop drafting for good: +19 ms on the launch from a
 handful of steps in an engine run, then no drafting step to revise it). So

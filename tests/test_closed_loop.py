@@ -128,6 +128,28 @@ def test_probe_rounds_are_paid_from_a_budget_of_step_time():
     assert probes.credit_ms == pytest.approx(4.0)
 
 
+def test_a_probe_round_is_paid_at_its_measured_cost_and_later_rounds_are_priced_up():
+    probes = ProbeSchedule(interval=4, budget=0.1)
+    for _ in range(10):
+        probes.earn(10.0)
+    probes.probed(2.0)
+    probes.settle(6.0)  # the round cost three times its prediction
+    assert probes.credit_ms == pytest.approx(10.0 - 6.0)
+    assert probes.overrun == pytest.approx(2.0)  # half way from 1 to 3
+    assert not probes.affordable(2.5) and probes.affordable(2.0)  # 5 and 4 ms of credit needed
+    probes.settle(100.0)  # no round running: nothing to pay
+    assert probes.credit_ms == pytest.approx(4.0)
+    probes.probed(0.001)
+    probes.settle(1e3)  # a prediction in other units than the measurement cannot price rounds out of reach
+    assert probes.overrun == 4.0
+    # Control: a round that cost what was predicted leaves the pricing alone.
+    fair = ProbeSchedule(interval=4, budget=0.1)
+    fair.earn(100.0)
+    fair.probed(2.0)
+    fair.settle(2.0)
+    assert fair.overrun == pytest.approx(1.0) and fair.credit_ms == pytest.approx(8.0)
+
+
 def probing_steps(cost: StepCostModel, steps: int = 512, batch: int = 16) -> int:
     """Steps that draft, in an engine whose estimator is right that drafts are accepted at 0.5."""
     ctl = StepController(WCSConfig(explore_every=4), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=cost)

@@ -83,6 +83,25 @@ def test_a_new_policy_plans_at_once():
     assert not ctl.holds_no_drafts()
 
 
+def test_each_policy_learns_only_from_its_own_steps():
+    """Steps served under static move static's online step cost and estimator; wcs starts from the profile and
+    the fitted estimator, and static gets back what it had learned."""
+    ctl = StepController(WCSConfig(), K, ConstantEstimator(K, prior=0.8, prior_weight=1.0), cost=CHEAP)
+    ctl.set_policy("static")
+    fitted = ctl.estimator.hazards.copy()
+    for _ in range(64):  # steps that take twice their profile, and drafts never accepted
+        ctl.observe_step(4, 0, 4, 2 * CHEAP.step_ms(4, 0, 4))
+        ctl.estimator.update(None, np.full(8, K), np.zeros(8, np.int64))
+    static_cost, static_belief = ctl.cost_model.step_ms(4, 0, 4), ctl.estimator.hazards.copy()
+    assert static_cost > 1.5 * CHEAP.step_ms(4, 0, 4) and static_belief[0] < 0.5 * fitted[0]  # static learned
+    ctl.set_policy("wcs")
+    assert ctl.cost_model.step_ms(4, 0, 4) == CHEAP.step_ms(4, 0, 4)
+    assert ctl.estimator.hazards == pytest.approx(fitted)
+    ctl.set_policy("static")
+    assert ctl.cost_model.step_ms(4, 0, 4) == static_cost
+    assert ctl.estimator.hazards == pytest.approx(static_belief)
+
+
 def test_the_tpot_pace_counts_each_requests_slack_from_its_first_token():
     ctl = StepController(WCSConfig(pace_tpot_ms=10.0), K, ConstantEstimator(K, prior=0.8, prior_weight=100.0), cost=CHEAP)
     assert ctl.slack_ms(["a", "b"], np.array([1, 0]), now=100.0).tolist() == [0.0, np.inf]  # b is still prefilling

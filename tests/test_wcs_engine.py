@@ -379,8 +379,6 @@ def verified_per_step(llm, policy: str, closed_loop: bool = True) -> tuple[list[
 
 @pytest.fixture(scope="module")
 def trap_runs(llm):
-    from replicas.wcs.controller import fit_estimators
-
     llm.collective_rpc("wcs_set_cost_model", args=(TRAP_COST.model_dump_json(),))
     try:
         yield {name: verified_per_step(llm, policy, closed) for name, policy, closed in (
@@ -392,13 +390,7 @@ def trap_runs(llm):
 
 
 def restore_estimators(worker):
-    from replicas.wcs.controller import fit_estimators
-    from scheduling.exploration import ProbeSchedule
-    from scheduling.recalibration import OnlineRecalibrator
-
-    ctl = worker.model_runner.wcs
-    ctl.estimator, ctl.calibrator = fit_estimators(ctl.config, ctl.k)
-    ctl.recalibrator, ctl.probes = OnlineRecalibrator(ctl.k), ProbeSchedule(ctl.config.explore_every)
+    worker.model_runner.wcs.forget_learning()  # every policy: the planted beliefs went to static's and wcs's
     return True
 
 

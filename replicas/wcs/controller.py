@@ -21,6 +21,7 @@ drafting does not pay keeps being checked.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -43,6 +44,9 @@ from scheduling.survival import hazards_from_survival
 from scheduling.traces import PreDraftInputs, Traces
 
 logger = logging.getLogger(__name__)
+
+# What a controller learns while it serves, kept per policy (`StepController.set_policy`).
+LEARNED = ("estimator", "calibrator", "_online", "recalibrator", "gain", "probes")
 
 # Used only until the engine's own profile is loaded (`replicas.wcs.profiler`); logged when used.
 UNPROFILED_COST = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.02, per_target_ms=0.05)
@@ -79,15 +83,18 @@ class StepController:
     ) -> None:
         self.config = config
         self.k = k
-        self.estimator = estimator
-        self.calibrator = calibrator if calibrator is not None else PostDraftCalibrator(k)
-        self.cost = cost
         self.limits = StepLimits(token_budget=token_budget, time_cap_ms=config.max_step_ms, pace_tpot_ms=config.pace_tpot_ms)
         self.tracker = AcceptanceTracker(k, config.history_decay)
+        calibrator = calibrator if calibrator is not None else PostDraftCalibrator(k)
+        self._fitted = copy.deepcopy((estimator, calibrator))  # what every policy starts learning from
+        self._learned: dict[PolicyName, dict[str, Any]] = {}  # other policies' learned state, while not served
+        self.estimator, self.calibrator = estimator, calibrator
+        self.cost = cost
         self.recalibrator = OnlineRecalibrator(k) if config.recalibrate else None
         self.gain = RealisedGain(k) if config.recalibrate else None
         self.probes = ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None
         self._probes_due = False  # some request is due for a probe: do not hold
+        self._round_verify_ms: float | None = None  # this step is a probe round: its predicted verification
         self.set_policy(config.policy)
         self.profiling: np.random.Generator | None = None  # random widths while the cost model is profiled
         self.profiling_skip = 0.25  # ... and this share of those steps drafting nothing
@@ -100,14 +107,26 @@ class StepController:
         self._paced_from: dict[str, tuple[float, int]] = {}  # request -> (when it was first planned, tokens it had then)
 
     def set_policy(self, name: PolicyName | str) -> None:
-        self.policy = Policy(
+        """Serve `name` from the next step. What the controller learned while serving the last policy (estimator
+        updates, online step cost, recalibration, probe schedule) is kept for it, and `name` resumes from its own,
+        or from the fitted estimators and the profile: each policy learns only from its own steps, as if it were
+        served alone. (Sharing made the engine bench compare policies on each other's evidence: `wcs` at 64
+        requests priced its drafting from `static`'s 500-token drafting steps and drafted at a loss.)"""
+        policy = Policy(
             name=PolicyName(name),
             k=self.k,
             whole_blocks=self.config.draft_widths == "whole_blocks",
             margin=self.config.draft_margin,
         )
-        if self.policy.name == PolicyName.ORACLE:
+        if policy.name == PolicyName.ORACLE:
             raise ValueError("the oracle policy needs true acceptances: replay and simulation only")
+        last = getattr(self, "policy", None)
+        if last is not None and last.name != policy.name:
+            self._learned[last.name] = {a: getattr(self, a) for a in LEARNED}
+            for a, v in (self._learned.pop(policy.name, None) or self._fresh_learning()).items():
+                setattr(self, a, v)
+            self._probes_due = False
+        self.policy = policy
         self.stats = WCSStats(policy=self.policy.name.value, k=self.k)
         self._held = 0  # steps held without planning since the last plan
         self._drafted_nothing = False  # the last plan chose to draft nothing
@@ -121,7 +140,29 @@ class StepController:
 
     @cost.setter
     def cost(self, profiled: StepCostModel | None) -> None:
+        """A new profile: every policy's online correction starts again from it."""
         self._online = None if profiled is None else OnlineCostModel(profiled)
+        for learned in self._learned.values():
+            learned["_online"] = None if profiled is None else OnlineCostModel(profiled)
+
+    def _fresh_learning(self) -> dict[str, Any]:
+        """The learned state of a policy not served yet: fitted estimators, the profile, nothing observed."""
+        config, k = self.config, self.k
+        estimator, calibrator = copy.deepcopy(self._fitted)
+        return {
+            "estimator": estimator,
+            "calibrator": calibrator,
+            "_online": None if self.cost is None else OnlineCostModel(self.cost),
+            "recalibrator": OnlineRecalibrator(k) if config.recalibrate else None,
+            "gain": RealisedGain(k) if config.recalibrate else None,
+            "probes": ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None,
+        }
+
+    def forget_learning(self) -> None:
+        """Every policy starts learning again from the fitted estimators and the profile."""
+        self._learned.clear()
+        for a, v in self._fresh_learning().items():
+            setattr(self, a, v)
 
     @property
     def cost_model(self) -> StepCostModel:
@@ -218,6 +259,7 @@ class StepController:
         self._plan = None
         self._inputs = None
         self._req_ids = req_ids
+        self._round_verify_ms = None
         slack = self.slack_ms(req_ids, generated) if self.limits.pace_tpot_ms and generated is not None else None
         if features is None:
             if self.needs_drafter():
@@ -260,6 +302,8 @@ class StepController:
                         if not alone or self.probes.affordable(extra):
                             if alone:
                                 self.probes.probed(extra)
+                                r = len(req_ids)
+                                self._round_verify_ms = cost.step_ms(r, 0, r + int(due.sum())) - cost.step_ms(r, 0, r)
                             probes, self._plan = due, with_probes
                             self.stats.probes += int(due.sum())
                 draft = self._plan.draft
@@ -278,6 +322,15 @@ class StepController:
         self.stats.planned_requests += len(req_ids)
         self.stats.add_positions("drafted_per_pos", self._draft)
         return self._draft
+
+    def drafted(self, draft_ms: float) -> None:
+        """This step's drafter time as measured (the deferred context store included): a probe round is paid at
+        that plus its predicted verification (`ProbeSchedule.settle`). Only while the online correction keeps
+        predictions in measured milliseconds: rounds are priced, and credit earned, in predicted ones (a
+        synthetic cost model, as tests set, would otherwise price rounds out of reach for good)."""
+        verify_ms, self._round_verify_ms = self._round_verify_ms, None
+        if verify_ms is not None and self.probes is not None and self.config.online_cost and self._online is not None:
+            self.probes.settle(draft_ms + verify_ms)
 
     def slack_ms(self, req_ids: list[str], generated: np.ndarray, now: float | None = None) -> np.ndarray:
         """How far ahead of `pace_tpot_ms` per token each request is (negative: behind), counted from the

@@ -211,6 +211,7 @@ class WCSRunnerMixin:
         finally:
             drafter.widths = None
         draft_ms = (time.perf_counter() - t1) * 1e3
+        ctl.drafted(draft_ms)
         if drafter.forward_rows:
             ctl.stats.drafter_passes += 1
             ctl.stats.drafter_rows += drafter.forward_rows

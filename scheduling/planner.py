@@ -77,12 +77,12 @@ def plan_step(
         check_survival(survival)
     b, k = survival.shape
     lo_, hi_ = bounds(b, k, lo, hi)
-    if cost.draft_launch_ms > 0 and (lo_ is None or not lo_.any()):
+    if cost.launch_ms(b) > 0 and (lo_ is None or not lo_.any()):
         # Exact early exit: even every allowed slot, at no cost beyond launching the drafter, would not
         # beat drafting nothing (the common case where drafting does not pay, at a fraction of the sort).
         base_ms = cost.step_ms(b, 0, b)
         best_gain = float(survival.sum() if hi_ is None else survival[prefix_mask(hi_, k)].sum())
-        if (b + best_gain) * base_ms <= b * (base_ms + cost.draft_launch_ms):
+        if (b + best_gain) * base_ms <= b * (base_ms + cost.launch_ms(b)):
             return DraftPlan(
                 draft=np.zeros(b, dtype=np.int64),
                 slots=np.zeros(0, dtype=np.int64),

@@ -23,7 +23,7 @@ import numpy as np
 from scheduling.cost_model import StepCostModel
 
 PROFILE_TOKENS = 40  # tokens per request per batch; ~10-20 decode steps at random widths
-PROFILE_VERSION = 4  # bump when what is profiled or how it is fitted changes: cached profiles are then redone
+PROFILE_VERSION = 5  # bump when what is profiled or how it is fitted changes: cached profiles are then redone
 
 
 def cache_dir() -> Path:

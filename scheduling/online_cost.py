@@ -31,7 +31,7 @@ and taken out of its residual.
 - Stored context prices staying ready to draft: a step that drafts after a
   run of steps without drafts first stores all their context, at a measured
   cost per row (a decayed ratio of time to rows over such stores) that
-  prices probe rounds (`launch_ms(rows)`; replicas/wcs/controller.py says
+  prices probe rounds (`StepController.context_ms`; replicas/wcs/controller.py says
   why plans leave it out). Regressing it on the step periods instead was
   ill-posed: in an engine at one request it priced a row at 0.5 ms, 25
   times what the timed stores show, and kept the planner from drafting
@@ -77,6 +77,7 @@ MIN_INTERCEPT_MS = 0.01
 MIN_DRAFT_SCALE = 0.25  # the served drafted-token slopes never fall below this share of the profile's
 STORE_DECAY = 0.95  # per timed context store, in the time-per-row ratio
 LOAD_WIDTH = np.log(2.0)  # rows at twice or half the current requests weigh e^-1/2 in the correction
+PRIOR_ERROR_STEPS = 4.0  # drafting steps' worth of a zero error, where `drafting_error` has measured few
 
 
 class OnlineCostModel:
@@ -109,6 +110,11 @@ class OnlineCostModel:
         self.seen = 0  # steps observed
         self.draft_scale = 1.0  # served drafted-token slopes over the profile's
         self.context_ms_per_row = 0.0  # what storing one deferred context row adds to a drafting step
+        # Relative errors of the served model's predictions for the last `window` drafting steps, made before
+        # each step was seen (out of sample), and those steps' requests (`drafting_error`).
+        self._err = np.zeros(window)
+        self._err_r = np.ones(window)
+        self._err_seen = 0
         self._stored = np.zeros(2)  # decayed (ms, rows) of the context stores timed
 
     @property
@@ -120,10 +126,6 @@ class OnlineCostModel:
     def launch_offset_ms(self) -> float:
         """What the served model adds to the profiled drafter launch cost."""
         return self.model.draft_launch_ms - self.profiled.draft_launch_ms
-
-    def launch_ms(self, context_rows: int = 0) -> float:
-        """The served launch cost of a step that first stores `context_rows` deferred context rows."""
-        return self.model.draft_launch_ms + self.context_ms_per_row * context_rows
 
     def observe(
         self,
@@ -144,6 +146,11 @@ class OnlineCostModel:
             self.context_ms_per_row = float(self._stored[0] / self._stored[1])
         period_ms -= context_ms
         drafting = int(drafted > 0)  # (an int: numpy reads a bool index as a mask)
+        if drafting and not prefill:
+            served = self.model.step_ms(requests, drafted, target)
+            k = self._err_seen % len(self._err)
+            self._err[k], self._err_r[k] = (period_ms - served) / max(served, 1e-3), max(requests, 1)
+            self._err_seen += 1
         j = self._seen[drafting] % self._y.shape[1]
         self._seen[drafting] += 1
         self._x[drafting, j] = (1.0, float(drafting), float(self.profiled.drafted(float(drafted))), prefill / PREFILL_UNIT)
@@ -156,6 +163,16 @@ class OnlineCostModel:
         self.seen += 1
         if self.seen % self.refresh_every == 0:
             self._refresh()
+
+    def drafting_error(self, requests: int) -> float:
+        """How much longer than the served model predicted drafting steps near this load have run (relative, mean,
+        0 when they ran shorter): their errors weighted by a Gaussian in log R (as the correction's rows), shrunk
+        towards zero by `PRIOR_ERROR_STEPS` steps. Each error is taken before its step reaches the correction, so
+        a bias the ridge-held correction keeps missing stays visible; timing noise averages out (its root mean
+        square, about 10% at one request on this CPU, would have stopped drafting where it paid 1.1-1.2x)."""
+        n = min(self._err_seen, len(self._err))
+        w = np.exp(-0.5 * (np.log(self._err_r[:n] / max(requests, 1)) / LOAD_WIDTH) ** 2)
+        return max(float(w @ self._err[:n]) / (PRIOR_ERROR_STEPS + float(w.sum())), 0.0)
 
     def _refresh(self) -> None:
         n = [min(seen, self._y.shape[1]) for seen in self._seen]

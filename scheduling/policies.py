@@ -94,9 +94,12 @@ class Policy(BaseModel):
         validate: bool = True,
         slack_ms: np.ndarray | None = None,
         probes: np.ndarray | None = None,
+        margin: float | None = None,
     ) -> DraftPlan:
         """`slack_ms` (B,): how far each request is ahead of `limits.pace_tpot_ms` (used only with it).
-        `probes` (B,): draft slots forced for exploration (`scheduling.exploration`), within each request's bounds."""
+        `probes` (B,): draft slots forced for exploration (`scheduling.exploration`), within each request's bounds.
+        `margin`: this step's instead of the policy's own (`wcs` only)."""
+        margin = self.margin if margin is None else margin
         lo, hi = self.draft_bounds(max_width, oracle_accepted)
         if probes is not None:
             lo = np.maximum(lo, np.minimum(probes, hi))
@@ -117,10 +120,10 @@ class Policy(BaseModel):
         if self.name != PolicyName.WCS:
             return best(lo, hi)
         plan = best(hi, hi) if self.whole_blocks else best(lo, hi)
-        if not self.whole_blocks and (self.margin == 0.0 or np.array_equal(plan.draft, lo)):
+        if not self.whole_blocks and (margin == 0.0 or np.array_equal(plan.draft, lo)):
             return plan
         floor = best(lo, lo)
-        return plan if plan.tokens_per_ms > floor.tokens_per_ms * (1.0 + self.margin) else floor
+        return plan if plan.tokens_per_ms > floor.tokens_per_ms * (1.0 + margin) else floor
 
     def verify(
         self, post_survival: np.ndarray, plan: DraftPlan, cost: StepCostModel, limits: StepLimits

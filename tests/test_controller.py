@@ -128,3 +128,27 @@ def test_a_request_short_of_slack_shortens_the_step_and_one_ahead_or_far_behind_
         plans[a_tokens] = ctl.plan(ids, features, width, generated=np.array([a_tokens, 51])).tolist()
     assert free.tolist() == [3, 3] and sum(plans[13]) < free.sum()
     assert plans[51] == plans[1] == free.tolist()
+
+
+def test_wcs_asks_a_plan_for_more_than_its_margin_where_drafting_steps_were_mispredicted():
+    ctl = StepController(WCSConfig(draft_margin=0.05), K, ConstantEstimator(K, prior=0.8, prior_weight=100.0), cost=CHEAP)
+    assert ctl.margin(16) == 0.05  # nothing measured: the configured margin
+    for _ in range(12):
+        ctl.observe_step(16, 20, 30, 1.5 * CHEAP.step_ms(16, 20, 30))
+    assert ctl.margin(16) > 0.3 and ctl.margin(1) == 0.05
+    # Control: without the online correction the configured margin alone.
+    ctl.config.online_cost = False
+    assert ctl.margin(16) == 0.05
+
+
+def test_a_return_to_drafting_pays_its_share_of_the_deferred_context_store():
+    """The same beliefs and step cost; only the context the held steps deferred differs. A store that, spread
+    over `replan_max` steps, outweighs the plan's gain keeps the engine holding; none, or a small one, does not."""
+    def drafts(rows: int) -> bool:
+        ctl = StepController(WCSConfig(explore_every=None), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=CHEAP)
+        ctl._online.context_ms_per_row = 0.01  # as timed stores would have measured it
+        ids = [f"r{i}" for i in range(8)]
+        return bool(ctl.plan(ids, np.zeros((8, 8)), np.full(8, K), context_rows=rows).any())
+
+    assert drafts(0) and drafts(100)
+    assert not drafts(1_000_000)  # 10 s of store: 156 ms a step over 64 steps

@@ -116,12 +116,11 @@ def test_the_correction_is_local_to_the_load_it_was_measured_at(monkeypatch):
 
 def test_stored_context_is_priced_per_row_into_the_next_drafting_step():
     """Staying ready to draft has a price: a drafting step first stores the context the steps without drafts
-    deferred. The store is timed; its cost per row is added to the launch of the step that would store them,
+    deferred. The store is timed; its cost per row prices the probe rounds that would store them,
     and kept out of the regression (it would otherwise land on the launch or the slopes)."""
     online = OnlineCostModel(PROFILE)
     feed_context(online, 0.02)
     assert online.context_ms_per_row == pytest.approx(0.02, rel=0.05)
-    assert online.launch_ms(300) == pytest.approx(online.model.draft_launch_ms + 300 * online.context_ms_per_row)
     assert abs(online.launch_offset_ms) < 0.6 and online.draft_scale == pytest.approx(1.0, abs=0.05)
     # Negative control: the same stores, not timed apart, land on the drafting terms.
     blind = OnlineCostModel(PROFILE)
@@ -260,3 +259,21 @@ def test_the_runner_times_a_step_only_when_the_next_follows_it_directly():
     runner._wcs_time_last_step(9.0, {"x": 1})
     assert len(runner.wcs.steps) == 2 and runner._wcs_last is None
 
+
+
+def test_the_drafting_error_is_what_drafting_steps_near_this_load_were_missed_by():
+    """Twelve drafting steps at 64 requests that each took 1.3x their prediction: the error there is 0.3 shrunk
+    by the prior (12/16 of it), at 2 requests about nothing. Controls: steps as predicted, or alternately 20%
+    shorter and longer (noise, not bias), leave it near zero."""
+    off, exact, noisy = OnlineCostModel(PROFILE), OnlineCostModel(PROFILE), OnlineCostModel(PROFILE)
+    for online, factors in ((off, [1.3]), (exact, [1.0]), (noisy, [0.8, 1.2])):
+        for i in range(12):
+            online.observe(64, 100, 100, factors[i % len(factors)] * PROFILE.step_ms(64, 100, 100))
+    assert off.drafting_error(64) == pytest.approx(0.3 * 12 / 16, rel=0.02)
+    assert off.drafting_error(2) < 0.01
+    assert exact.drafting_error(64) < 0.005 and noisy.drafting_error(64) < 0.02
+    # Steps without drafts, or with prefill chunks in them, are not drafting steps to be judged.
+    for _ in range(50):
+        exact.observe(64, 0, 64, 3 * PROFILE.step_ms(64, 0, 64))
+        exact.observe(64, 100, 100, 3 * PROFILE.step_ms(64, 100, 100), prefill=200)
+    assert exact.drafting_error(64) < 0.005

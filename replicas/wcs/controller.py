@@ -179,6 +179,19 @@ class StepController:
         """What the online correction adds to the profiled drafter launch cost now."""
         return 0.0 if self._online is None else self._online.launch_offset_ms
 
+    def margin(self, requests: int) -> float:
+        """The predicted gain a `wcs` plan must show at this load: `draft_margin`, or more where drafting steps
+        near this load ran longer than the served cost model predicted (`OnlineCostModel.drafting_error`). At 64
+        requests on this CPU they ran 10-35% longer, against 5% of margin."""
+        if self._online is None or not self.config.online_cost:
+            return self.config.draft_margin
+        return max(self.config.draft_margin, self._online.drafting_error(requests))
+
+    def switch_ms(self, rows: int) -> float:
+        """What returning to drafting adds to a plan's step: storing `rows` deferred context rows, spread over the
+        `replan_max` steps a return is expected to last at least."""
+        return self.context_ms(rows) / self.config.replan_max
+
     def context_ms(self, rows: int) -> float:
         """What storing `rows` deferred drafter context rows is measured to cost."""
         return 0.0 if self._online is None else self._online.context_ms_per_row * rows
@@ -247,10 +260,13 @@ class StepController:
         """Draft widths d_i <= max_width_i (0 for requests that cannot use a draft now).
 
         `generated` (B,): each request's output tokens so far, which the TPOT pace needs (`pace_tpot_ms`).
-        `context_rows`: deferred drafter context a drafting step would store first. It prices probe rounds, not
-        plans: the store is owed by any later drafting step too, and pricing it into the plan made an engine
-        that held for a while ever less willing to draft again (at one request, a launch priced at 10 ms of
-        a 3.5 ms step kept it holding where drafting paid 1.25x).
+        `context_rows`: deferred drafter context a drafting step would store first. A probe round pays for it
+        in full. A plan pays for it spread over `replan_max` steps (`switch_ms`): returning to drafting after a
+        hold is one store for the drafting steps that follow, not for one step. Priced in full into plans, it made
+        an engine that held for a while ever less willing to draft again (at one request, a launch priced at
+        10 ms of a 3.5 ms step kept it holding where drafting paid 1.25x); left out, an engine at 64 requests
+        returned to drafting for a plan 5-10% ahead and stored 60-80 ms of context for it, 6-8 steps' worth
+        (wcs 0.86-0.89 of `ar` where it drafted such plans, 0.94-0.95 where it only probed).
 
         `features` may be None only when `needs_drafter()` is False or `holds_no_drafts()` is True.
         `share` makes every tensor-parallel rank take the first rank's decision (`replicas.wcs.sharing`);
@@ -278,14 +294,26 @@ class StepController:
                 survival = self.gain.apply(survival)
             probes = None
             if self.profiling is not None:
-                # Some profiled steps draft nothing: the drafter's launch cost is then visible.
-                draft = self.profiling.integers(0, np.asarray(max_width) + 1) * (self.profiling.random() >= self.profiling_skip)
+                # Some profiled steps draft nothing: the drafter's launch cost is then visible. In the others a
+                # random share of the batch drafts, so that D varies at every R and the launch's part per
+                # request is told apart from the drafted tokens' cost (with every request drafting, D ~ R K / 2).
+                rng, width = self.profiling, np.asarray(max_width)
+                drafts = rng.random(len(width)) < rng.random()
+                draft = rng.integers(0, width + 1) * drafts * (rng.random() >= self.profiling_skip)
             else:
                 # Estimator curves are products of hazards: monotone by construction, no need to check.
                 cost = self.cost_model
+                margin = self.margin(len(req_ids))
+                switch = self.switch_ms(context_rows)
+                if switch > 0.01:  # (a copy rebuilds the planner's tables: not for a store of a few rows)
+                    cost = cost.model_copy(update={"draft_launch_ms": cost.draft_launch_ms + switch})
+                else:
+                    switch = 0.0
 
                 def plan(probes: np.ndarray | None, widths: np.ndarray = max_width) -> DraftPlan:
-                    return self.policy.plan(survival, cost, self.limits, widths, validate=False, slack_ms=slack, probes=probes)
+                    return self.policy.plan(
+                        survival, cost, self.limits, widths, validate=False, slack_ms=slack, probes=probes, margin=margin
+                    )
 
                 # Probes ride on a plan that drafts anyway, or wait for a probe round (scheduling/exploration.py),
                 # which drafts the probes and nothing else: drafts added around them because the launch is paid
@@ -296,7 +324,9 @@ class StepController:
                     if due.any():
                         alone = not self._plan.draft.any()
                         with_probes = plan(due, due if alone else max_width)
-                        extra = max(with_probes.step_ms - self._plan.step_ms, 0.0) + alone * self.context_ms(context_rows)
+                        # A round pays the store in full; its plan's step time holds the switch share of it already.
+                        extra = max(with_probes.step_ms - self._plan.step_ms - alone * switch, 0.0)
+                        extra += alone * self.context_ms(context_rows)
                         if alone:
                             self.probes.round_ms = extra
                         if not alone or self.probes.affordable(extra):

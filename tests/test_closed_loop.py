@@ -62,23 +62,29 @@ def test_probes_fall_due_back_off_on_rejection_and_reset_on_acceptance():
     assert probes.due(["a"]).tolist() == [0]
 
 
-def run_trap(config: WCSConfig, policy: str = "wcs", steps: int = 64, batch: int = 4, seed: int = 0) -> list[int]:
-    """Verified drafts per step of a controller whose estimator believes 0.05 while drafts are accepted at 0.8."""
-    estimator = ConstantEstimator(K, prior=0.05, prior_weight=1e6)  # its own updates cannot move it
-    ctl = StepController(config.model_copy(update={"policy": policy}), K, estimator, cost=TRAP_COST)
+def drive(ctl: StepController, steps: int, batch: int, accept: float, seed: int = 0) -> tuple[list[int], int]:
+    """Steps as the runner drives them, drafts accepted at `accept` per position: verified drafts per step,
+    and how many steps drafted."""
     rng = np.random.default_rng(seed)
     ids = [f"r{i}" for i in range(batch)]
-    verified = np.zeros(batch, np.int64)
-    accepted = np.zeros(batch, np.int64)
-    out = []
+    verified = accepted = np.zeros(batch, np.int64)
+    out, drafting = [], 0
     for _ in range(steps):
         ctl.observe(ids, verified, accepted)
         features = None if ctl.holds_no_drafts() else np.zeros((batch, 8))
         draft = ctl.plan(ids, features, np.full(batch, K))
         verified = ctl.verify(np.full((batch, K), 0.9)) if draft.any() else np.zeros(batch, np.int64)
-        accepted = np.minimum(np.cumprod(rng.random((batch, K)) < 0.8, axis=1).sum(axis=1), verified)
+        accepted = np.minimum(np.cumprod(rng.random((batch, K)) < accept, axis=1).sum(axis=1), verified)
         out.append(int(verified.sum()))
-    return out
+        drafting += bool(draft.any())
+    return out, drafting
+
+
+def run_trap(config: WCSConfig, policy: str = "wcs", steps: int = 64, batch: int = 4, seed: int = 0) -> list[int]:
+    """Verified drafts per step of a controller whose estimator believes 0.05 while drafts are accepted at 0.8."""
+    estimator = ConstantEstimator(K, prior=0.05, prior_weight=1e6)  # its own updates cannot move it
+    ctl = StepController(config.model_copy(update={"policy": policy}), K, estimator, cost=TRAP_COST)
+    return drive(ctl, steps, batch, accept=0.8, seed=seed)[0]
 
 
 def test_probes_and_recalibration_get_requests_out_of_a_wrong_belief():
@@ -153,17 +159,7 @@ def test_a_probe_round_is_paid_at_its_measured_cost_and_later_rounds_are_priced_
 def probing_steps(cost: StepCostModel, steps: int = 512, batch: int = 16) -> int:
     """Steps that draft, in an engine whose estimator is right that drafts are accepted at 0.5."""
     ctl = StepController(WCSConfig(explore_every=4), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=cost)
-    ids, rng = [f"r{i}" for i in range(batch)], np.random.default_rng(0)
-    verified = accepted = np.zeros(batch, np.int64)
-    drafting = 0
-    for _ in range(steps):
-        ctl.observe(ids, verified, accepted)
-        features = None if ctl.holds_no_drafts() else np.zeros((batch, 8))
-        draft = ctl.plan(ids, features, np.full(batch, K))
-        verified = ctl.verify(np.full((batch, K), 0.9)) if draft.any() else np.zeros(batch, np.int64)
-        accepted = np.minimum(np.cumprod(rng.random((batch, K)) < 0.5, axis=1).sum(axis=1), verified)
-        drafting += bool(draft.any())
-    return drafting
+    return drive(ctl, steps, batch, accept=0.5)[1]
 
 
 def test_an_engine_where_drafting_does_not_pay_probes_within_its_budget():

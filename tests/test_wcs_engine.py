@@ -125,6 +125,8 @@ def test_ragged_widths_shrink_the_drafters_work(llm):
     assert len(full) > 5 and all(s["drafter_rows"] == s["requests"] * (1 + k) for s in full)
     ragged = [s for s in logged["wcs"] if 0 < s["drafted_tokens"] < s["requests"] * k]
     assert len(ragged) > 5
+    # The step log keeps each plan's prediction beside what the step took.
+    assert all(s["predicted_ms"] > 0 and s["expected_tokens"] > s["requests"] for s in ragged)
 
 
 def test_a_tpot_pace_keeps_greedy_outputs_and_gives_way_where_it_cannot_bind(llm, greedy_runs):

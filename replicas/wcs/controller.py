@@ -353,6 +353,11 @@ class StepController:
         self.stats.add_positions("drafted_per_pos", self._draft)
         return self._draft
 
+    @property
+    def last_plan(self) -> DraftPlan | None:
+        """This step's plan (None when it held, or no policy plan was made): the step log keeps its prediction."""
+        return self._plan
+
     def drafted(self, draft_ms: float) -> None:
         """This step's drafter time as measured (the deferred context store included): a probe round is paid at
         that plus its predicted verification (`ProbeSchedule.settle`). Only while the online correction keeps

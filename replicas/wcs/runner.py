@@ -53,6 +53,8 @@ class StepSample:
     planned: tuple[str, ...]  # requests planned this step
     context_rows: int = 0  # deferred drafter context rows stored before drafting
     context_ms: float = 0.0  # ... and the time that took
+    predicted_ms: float = 0.0  # the plan's predicted step time (0: no plan was made this step)
+    expected_tokens: float = 0.0  # ... and the tokens it expected (requests + expected accepted drafts)
 
 
 class _ProposeArgs(NamedTuple):
@@ -190,6 +192,9 @@ class WCSRunnerMixin:
                 context_rows=self.drafter.pending_rows,
             )
         planner_ms = (time.perf_counter() - t0) * 1e3
+        plan = ctl.last_plan
+        if plan is not None and self._wcs_step is not None:
+            self._wcs_step.predicted_ms, self._wcs_step.expected_tokens = float(plan.step_ms), float(plan.expected_tokens)
         drafter = self.drafter
         if not draft.any():
             t1 = time.perf_counter()

@@ -8,8 +8,8 @@ a step, whatever D is: a fixed part, and a part per request in the batch (the
 drafter stores the new context of every request, drafting or not). A step in
 which no request drafts skips it, so the planner weighs it against the whole
 step's gain. (With a fixed launch only, drafting steps at 64 requests that
-drafted for a few requests ran 10-35% longer than predicted.) An engine profiles timed steps once at start-up, fits, and stores the
-JSON.
+drafted for a few requests ran 10-35% longer than predicted.) An engine
+profiles timed steps once at start-up, fits, and stores the JSON.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ def build_app(config: AppConfig):
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(engine.bind(rc), config.ingress)
+    admission = config.router.admission if config.router.kind == "acceptance_headroom" else None
+    return ingress.bind(engine.bind(rc), config.ingress, admission)
 
 
 def app_builder(args: dict[str, Any]):

@@ -11,18 +11,28 @@ exception raised by the code of a live replica (bad input that only vLLM
 rejects, such as `VLLMValidationError`) is the request's own outcome: a 400
 with vLLM's message (500 for a server error), never retried elsewhere.
 Disconnecting clients cancel their call, and with it the engine request.
+
+With admission on, the ingress also closes admission's loop
+(`cluster.admission.SLOFeedback`): it tags each request with a ticket, under
+which the router keeps its prediction, and reports the TTFT (to the first
+streamed chunk) and TPOT (over the rest, from the usage the stream ends with)
+it measured; and while the router's
+last decision was a refusal (`AdmissionGate`) it answers 429 without calling
+the handle.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.admission import TPOT_HEADER, TTFT_HEADER, AdmissionRejected, RequestSLO
+from cluster.admission import TPOT_HEADER, TTFT_HEADER, AdmissionConfig, AdmissionLoop, AdmissionRejected, RequestSLO, admission_loop
 from replicas.openai_api import Reply, error_reply, exception_reply
 
 logger = logging.getLogger("ray.serve")
@@ -62,12 +72,16 @@ def raised_by_replica(e: BaseException) -> BaseException | None:
     return e
 
 
+_COMPLETION_TOKENS = re.compile(r'"completion_tokens"\s*:\s*(\d+)')
+
+
 class HandleBackend:
     """`replicas.openai_api.Backend` over the engine deployment's handle."""
 
-    def __init__(self, handle, config: IngressConfig) -> None:
+    def __init__(self, handle, config: IngressConfig, loop: AdmissionLoop | None = None) -> None:
         self.handle = handle.options(stream=True)
         self.config = config
+        self.loop = loop  # admission's, shared with the router (None: admission off)
         self._board = None  # the metrics board's handle, found on the first scrape
 
     def _overloaded(self) -> Reply:
@@ -79,9 +93,7 @@ class HandleBackend:
         )
 
     async def _call(self, route: str, body: Any = None, raw_request=None) -> Reply:
-        from ray.serve.exceptions import BackPressureError
-
-        kwargs = {}
+        kwargs, slo, start = {}, None, time.perf_counter()
         if raw_request is not None:
             try:
                 slo = RequestSLO.from_headers(raw_request.headers)
@@ -89,6 +101,22 @@ class HandleBackend:
                 return error_reply(400, f"invalid SLO header ({TTFT_HEADER}, {TPOT_HEADER}): {e}")
             if slo is not None:
                 kwargs["slo"] = slo.model_dump()
+        loop = self.loop if route in ("completions", "chat_completions") else None
+        if loop is None:
+            return await self._dispatch(route, body, kwargs)
+        if loop.gate.closed():  # the router refused last and nothing finished since
+            return self._refused(loop.gate.retry_after_s, "no replica can serve the request within its SLOs now")
+        kwargs["ticket"] = ticket = loop.ticket()
+        reply = await self._dispatch(route, body, kwargs, loop, start)
+        if reply.stream is None:  # refused, failed, or a whole response (whose TTFT is not known here)
+            loop.finished(ticket)
+        return reply
+
+    async def _dispatch(
+        self, route: str, body: Any, kwargs: dict, loop: AdmissionLoop | None = None, start: float = 0.0
+    ) -> Reply:
+        from ray.serve.exceptions import BackPressureError
+
         for attempt in range(2):
             gen = self.handle.call.remote(route, body, **kwargs)
             try:
@@ -96,12 +124,7 @@ class HandleBackend:
             except BackPressureError:
                 return self._overloaded()
             except AdmissionRejected as refusal:  # the router predicts no replica meets the SLOs: refused at once
-                return error_reply(
-                    self.config.overload_status,
-                    str(refusal),
-                    "RateLimitError" if self.config.overload_status == 429 else "ServiceUnavailableError",
-                    headers={"Retry-After": str(refusal.retry_after_s)},
-                )
+                return self._refused(refusal.retry_after_s, str(refusal))
             except Exception as e:
                 raised = raised_by_replica(e)
                 if raised is not None:  # the replica is alive and answered: never retried elsewhere
@@ -114,13 +137,38 @@ class HandleBackend:
                 return error_reply(503, f"no engine replica could serve the request: {type(e).__name__}", "ServiceUnavailableError")
             if first is not None:
                 return Reply(status, first)
-            return Reply(status, stream=self._relay(gen))
+            return Reply(status, stream=self._relay(gen, loop, kwargs.get("ticket", 0), start, measure=status == 200))
         raise AssertionError("unreachable")
 
-    async def _relay(self, gen) -> AsyncIterator[str]:
+    def _refused(self, retry_after_s: int, message: str) -> Reply:
+        return error_reply(
+            self.config.overload_status,
+            message,
+            "RateLimitError" if self.config.overload_status == 429 else "ServiceUnavailableError",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+    async def _relay(
+        self, gen, loop: AdmissionLoop | None = None, ticket: int = 0, start: float = 0.0, measure: bool = False
+    ) -> AsyncIterator[str]:
+        """`loop`: admission's, to which the request's measured TTFT and TPOT are reported (`ticket`) when
+        `measure` (a response that streams tokens)."""
+        measure = measure and loop is not None
+        first, chunks, tokens = None, 0, 0
         try:
             async for lines in gen:
-                yield "".join(lines)  # one HTTP chunk, and one message to the proxy, per replica batch
+                text = "".join(lines)
+                if measure:
+                    first = first or time.perf_counter()
+                    chunks += len(lines)
+                    if "completion_tokens" in text:
+                        found = _COMPLETION_TOKENS.findall(text)
+                        tokens = int(found[-1]) if found else tokens
+                yield text  # one HTTP chunk, and one message to the proxy, per replica batch
+            if measure and first is not None:
+                # Without usage in the stream, its data events (at least one per token batch) stand in for tokens.
+                n, end = tokens or chunks, time.perf_counter()
+                loop.finished(ticket, (first - start) * 1000.0, (end - first) * 1000.0 / (n - 1) if n > 1 else None)
         except Exception as e:  # the replica failed, or its code raised, mid-stream: end the stream properly
             logger.warning("engine stream failed: %s", e)
             raised = raised_by_replica(e)
@@ -131,6 +179,8 @@ class HandleBackend:
             yield f"data: {json.dumps(err.body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            if loop is not None:  # (a no-op after a report)
+                loop.finished(ticket)
             gen.cancel()  # no-op when finished; aborts the engine request when the client went away
 
     async def completions(self, body: dict, raw_request=None) -> Reply:
@@ -165,8 +215,10 @@ class HandleBackend:
 class Ingress:
     """Serve deployment class (`cluster/app.py` wraps it with `serve.ingress()`): builds the app at replica start."""
 
-    def __init__(self, engine, config: IngressConfig) -> None:
-        self.backend = HandleBackend(engine, config)
+    def __init__(self, engine, config: IngressConfig, admission: AdmissionConfig | None = None) -> None:
+        """`admission`: the router's (None when it has none)."""
+        loop = admission_loop(engine.deployment_name, admission) if admission is not None and admission.enabled else None
+        self.backend = HandleBackend(engine, config, loop)
         self.config = config
 
     async def __serve_build_asgi_app__(self):

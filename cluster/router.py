@@ -15,6 +15,10 @@ Serve then takes the first rank whose replica is below
 With admission on (`cluster/admission.py`), only replicas predicted to meet
 the request's SLOs are ranked; with none, the request is refused at once
 (its future gets `AdmissionRejected`, which the ingress answers with 429).
+Its predictions are corrected by what the ingress measured of the requests
+it admitted (`SLOFeedback`, shared with the ingress in this process: the
+router records each request's prediction under the ingress's ticket), and a
+refusal closes the ingress's gate until a request completes.
 A request waiting for a free replica is decided again at every attempt, with
 the time it has waited, so one past its TTFT deadline never reaches an engine.
 Replicas without fresh stats (cold start) make the decision fall back to
@@ -88,9 +92,11 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         self.admission = admission_module.AdmissionConfig.model_validate(admission) if admission else None
         if self.admission is not None and not self.admission.enabled:
             self.admission = None
+        self.loop = admission_module.admission_loop(self._deployment_id.name, self.admission) if self.admission else None
         self.drain = admission_module.DrainMeter()
         self.model = PromptModel.shipped()
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)
+        self._predictions: dict[int, tuple[dict, np.ndarray, np.ndarray]] = {}  # ticket -> per replica (TTFT, TPOT)
         self._view: _FleetView | None = None
         self._decisions = router_metrics.DECISIONS.labels(ROUTER_NAME, "ranked")
         self._fallbacks = router_metrics.DECISIONS.labels(ROUTER_NAME, "fallback")
@@ -106,7 +112,12 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         return view
 
     def rank(
-        self, candidates: list[RunningReplica], body: dict | None, waited_ms: float = 0.0, slo: dict | None = None
+        self,
+        candidates: list[RunningReplica],
+        body: dict | None,
+        waited_ms: float = 0.0,
+        slo: dict | None = None,
+        ticket: int | None = None,
     ) -> list[list[RunningReplica]]:
         """Replicas in rank order; raises `AdmissionRejected` when admission finds none that meets the SLOs."""
         view = self._fleet(candidates)
@@ -127,12 +138,19 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 self.admission,
                 waited_ms=waited_ms,
                 slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
+                corrections=(correction := self.loop.feedback.corrections()),
             )
             if not decision.admit:
                 self._refusals.inc()
+                if decision.full:
+                    self.loop.gate.close(self.admission.gate_s, decision.retry_after_s)
                 raise admission_module.AdmissionRejected(
                     decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min())
                 )
+            if ticket is not None:  # kept uncorrected: the feedback compares the model's own predictions
+                self._predictions[ticket] = (view.position, decision.ttft_ms - correction[0], decision.tpot_ms / correction[1])
+                while len(self._predictions) > admission_module.MAX_PENDING:
+                    self._predictions.pop(next(iter(self._predictions)))
             slack = np.where(decision.feasible, slack, -np.inf)  # infeasible replicas sort last
             feasible = int(decision.feasible.sum())
         else:
@@ -151,7 +169,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        body, waited_ms, slo = None, 0.0, None
+        body, waited_ms, slo, ticket = None, 0.0, None, None
         if pending_request is not None:
             if pending_request.future.done():  # refused below on an earlier attempt: let Serve's loop end
                 return [candidate_replicas]
@@ -161,9 +179,10 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 body = args[1]
             waited_ms = max(time.time() - pending_request.created_at, 0.0) * 1000.0
             slo = pending_request.kwargs.get("slo")
+            ticket = pending_request.kwargs.get("ticket")
         start = time.perf_counter()
         try:
-            ranks = self.rank(candidate_replicas, body, waited_ms, slo)
+            ranks = self.rank(candidate_replicas, body, waited_ms, slo, ticket)
         except admission_module.AdmissionRejected as refusal:
             if pending_request is None:
                 raise
@@ -177,11 +196,17 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self.in_flight[replica_id] += 1
+        predicted = self._predictions.pop(pending_request.kwargs.get("ticket"), None)
+        if predicted is not None and replica_id in predicted[0]:
+            i = predicted[0][replica_id]
+            self.loop.routed(pending_request.kwargs["ticket"], replica_id, float(predicted[1][i]), float(predicted[2][i]))
         if self._view is not None:
             self._view.count(replica_id, 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.drain.completed(replica_id)
+        if self.loop is not None:
+            self.loop.gate.open()
         if self.in_flight.get(replica_id, 0) > 0:
             self.in_flight[replica_id] -= 1
             if self._view is not None:
@@ -191,4 +216,6 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)  # Serve stops offering it as a candidate at once
         self.in_flight.pop(replica_id, None)
         self.drain.forget(replica_id)
+        if self.loop is not None:
+            self.loop.forget(replica_id)
         self._view = None

@@ -132,8 +132,9 @@ class EngineReplica:
         await self._refresh()
         self._loop = asyncio.create_task(self._refresh_forever())
 
-    async def call(self, route: str, body: dict | None = None, slo: dict | None = None) -> AsyncIterator:
-        """`slo`: the request's own SLOs, read by the cluster router (admission); the engine ignores them."""
+    async def call(self, route: str, body: dict | None = None, slo: dict | None = None, ticket: int | None = None) -> AsyncIterator:
+        """`slo` (the request's own SLOs) and `ticket` (the ingress's tag for admission's feedback) are read by
+        the cluster router; the engine ignores them."""
         if route not in ROUTES:
             raise ValueError(f"unknown route {route!r}")
         fn = getattr(self.engine, route)

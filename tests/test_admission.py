@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from cluster.admission import AdmissionConfig, DrainMeter, RequestSLO, decide
+from cluster.admission import AdmissionConfig, AdmissionGate, AdmissionLoop, DrainMeter, RequestSLO, SLOFeedback, decide
 from cluster.placement import FleetArrays
 from replicas.routing_stats import StepMix, routing_stats
 from scheduling.cost_model import StepCostModel
@@ -61,8 +61,13 @@ def test_a_refusal_picks_the_replica_that_fits_and_retry_after_grows_with_the_qu
     assert tpot_waits == sorted(tpot_waits) and tpot_waits[-1] > tpot_waits[0], tpot_waits
 
 
-def simulate(admission: bool, rate: float, seconds: float = 30.0, out_tokens: int = 50, seed: int = 0):
-    """One replica, steps priced by COST, stats refreshed every 100 ms, the router's added count between.
+def simulate(
+    admission: bool, rate: float, seconds: float = 30.0, out_tokens: int = 50, seed: int = 0,
+    slowdown: float = 1.0, feedback: SLOFeedback | None = None,
+):
+    """One replica, steps priced by COST (times `slowdown`, which the stats do not show: the engine's CPU
+    taken by something else), stats refreshed every 100 ms, the router's added count between. With
+    `feedback`, each finished request reports whether it met its SLOs and admission holds to its factors.
 
     Returns (goodput req/s, attainment of admitted requests, share refused)."""
     rng = random.Random(seed)
@@ -71,6 +76,9 @@ def simulate(admission: bool, rate: float, seconds: float = 30.0, out_tokens: in
         t += rng.expovariate(rate)
         arrivals.append(t)
     meter, now_ms, i = DrainMeter(window_s=5.0), 0.0, 0
+    loop = AdmissionLoop(CONFIG)
+    if feedback is not None:
+        loop.feedback = feedback
     waiting, running, done, refused = [], [], [], 0
     snap, snap_at, added = stats(0), -1e9, 0
     while i < len(arrivals) or waiting or running:
@@ -80,19 +88,22 @@ def simulate(admission: bool, rate: float, seconds: float = 30.0, out_tokens: in
             arrival = arrivals[i] * 1000.0
             i += 1
             if admission:
-                d = one(snap, added=added, rate=meter.rate(0, now_ms / 1000.0), waited_ms=now_ms - arrival)
+                fix = loop.feedback.corrections(now_ms / 1000.0) if feedback is not None else (0.0, 1.0)
+                d = one(snap, added=added, rate=meter.rate(0, now_ms / 1000.0), waited_ms=now_ms - arrival, corrections=fix)
                 if not d.admit:
                     refused += 1
                     continue
+                ticket = loop.ticket()
+                loop.routed(ticket, 0, float(d.ttft_ms[0]) - fix[0], float(d.tpot_ms[0]) / fix[1])
             added += 1
-            waiting.append({"arrival": arrival, "first": None, "left": out_tokens})
+            waiting.append({"arrival": arrival, "first": None, "left": out_tokens, "ticket": ticket if admission else None})
         while waiting and len(running) < 64:
             running.append(waiting.pop(0))
         if not running:
             now_ms = arrivals[i] * 1000.0 if i < len(arrivals) else now_ms
             continue
         prefill = sum(20 for r in running if r["first"] is None)
-        now_ms += COST.step_ms(len(running), 0, len(running) + prefill)
+        now_ms += slowdown * COST.step_ms(len(running), 0, len(running) + prefill)
         for r in running:
             r["left"] -= 1
             r["first"] = now_ms if r["first"] is None else r["first"]
@@ -100,9 +111,15 @@ def simulate(admission: bool, rate: float, seconds: float = 30.0, out_tokens: in
                 r["end"] = now_ms
                 done.append(r)
                 meter.completed(0, now_ms / 1000.0)
+                if feedback is not None:
+                    loop.finished(r["ticket"], r["first"] - r["arrival"], (r["end"] - r["first"]) / (out_tokens - 1), now_ms / 1000.0)
         running = [r for r in running if r["left"] > 0]
-    good = [r for r in done if r["first"] - r["arrival"] <= CONFIG.ttft_ms and (r["end"] - r["first"]) / (out_tokens - 1) <= 20.0]
+    good = [r for r in done if all(met(r, out_tokens))]
     return len(good) / seconds, len(good) / max(len(done), 1), refused / len(arrivals)
+
+
+def met(r: dict, out_tokens: int) -> tuple[bool, bool]:
+    return r["first"] - r["arrival"] <= CONFIG.ttft_ms, (r["end"] - r["first"]) / (out_tokens - 1) <= 20.0
 
 
 def test_over_capacity_admission_keeps_goodput_and_without_it_the_replica_collapses():
@@ -118,6 +135,75 @@ def test_over_capacity_admission_keeps_goodput_and_without_it_the_replica_collap
     # Control: the same load with everything admitted: TPOT and queueing miss the SLOs for nearly all.
     without, attained_off, refused_off = simulate(admission=False, rate=2 * capacity)
     assert refused_off == 0 and attained_off < 0.2 and without < 0.25 * at_1x, (without, attained_off)
+
+
+def test_measured_errors_hold_the_slos_where_the_engine_runs_slower_than_its_model():
+    # The engine's steps take 1.5x what its cost model (and so its stats) say: its sustainable rate falls to
+    # about 6 req/s. Open-loop admission still admits batches the model prices inside the TPOT SLO.
+    seconds = 40.0
+    slow = dict(slowdown=1.5, seconds=seconds)
+    capacity = 6.0
+    base, _, _ = simulate(admission=True, rate=capacity, feedback=SLOFeedback(CONFIG), **slow)
+    for multiple in (2, 4):
+        loop = SLOFeedback(CONFIG)
+        goodput, attained, refused = simulate(admission=True, rate=multiple * capacity, feedback=loop, **slow)
+        assert attained >= 0.9 and goodput >= 0.9 * base, (multiple, goodput, attained, loop.corrections())
+        assert 1.4 < loop.corrections(seconds)[1] < 2.0, loop.corrections(seconds)  # the slowdown, and the model's own error
+    # Control: the same load without the feedback misses the TPOT SLO for most admitted requests.
+    goodput_open, attained_open, _ = simulate(admission=True, rate=2 * capacity, **slow)
+    assert attained_open < 0.5 and goodput_open < 0.6 * base, (goodput_open, attained_open)
+    # And where the model is right, the feedback costs (almost) nothing at the sustainable rate.
+    right, _, _ = simulate(admission=True, rate=14.0, feedback=SLOFeedback(CONFIG))
+    open_right, _, _ = simulate(admission=True, rate=14.0)
+    assert right >= 0.97 * open_right, (right, open_right)
+
+
+def test_slo_feedback_corrects_by_a_quantile_of_the_recent_errors_and_only_once_it_has_some():
+    loop = SLOFeedback(AdmissionConfig(feedback_window=10, feedback_quantile=0.9, feedback_max_age_s=60.0))
+    assert loop.corrections(0.0) == (0.0, 1.0)
+    for k in range(30):  # only the last 10 count: TTFT 50-59 ms late, TPOT 1.1-2.0x
+        loop.observe((100.0, 10.0), 100.0 + 30.0 + k, 10.0 * (1.0 + 0.1 * (k - 19)) if k >= 20 else 10.0, now=k)
+    ttft, tpot = loop.corrections(30.0)
+    assert ttft == pytest.approx(np.quantile(np.arange(50, 60), 0.9)) and tpot == pytest.approx(1.91)
+    # Measurements age out: a minute later without any, no correction.
+    assert loop.corrections(85.0)[1] == pytest.approx(np.quantile([1.6, 1.7, 1.8, 1.9, 2.0], 0.9))  # k >= 25 left
+    assert loop.corrections(200.0) == (0.0, 1.0)
+    # A single-token request has no TPOT: only its TTFT counts. Control: no window, no correction.
+    off = SLOFeedback(AdmissionConfig(feedback_window=0))
+    off.observe((100.0, 10.0), 500.0, None)
+    assert off.corrections() == (0.0, 1.0)
+    one_token = SLOFeedback(AdmissionConfig())
+    one_token.observe((100.0, 10.0), 500.0, None)
+    assert one_token.corrections() == (400.0, 1.0)
+
+
+def test_a_request_is_measured_against_the_forecasts_for_its_replica_over_its_life_once():
+    from cluster.admission import AdmissionLoop
+
+    loop = AdmissionLoop(AdmissionConfig(feedback_window=4))
+    a, b, c, d = (loop.ticket() for _ in range(4))
+    assert len({a, b, c, d}) == 4
+    loop.routed(a, "r0", 100.0, 10.0)
+    loop.routed(b, "r0", 100.0, 14.0)  # joined a's batch: its forecast is the batch's TPOT after it
+    loop.routed(c, "r1", 100.0, 50.0)  # another replica's batch is not a's
+    loop.finished(d, 1000.0, 100.0)  # never routed (refused): nothing to compare
+    assert loop.feedback.corrections() == (0.0, 1.0)
+    loop.finished(a, 150.0, 24.0)  # against the mean forecast of its life on r0: 12 ms
+    loop.finished(a, 9000.0, 900.0)  # a second report of the same ticket is ignored
+    assert loop.feedback.corrections() == (50.0, 2.0)
+    loop.finished(b, 100.0, 14.0)  # b's life began at its own placement: 14 ms, met
+    assert loop.feedback._tpot[-1][1] == 1.0
+
+
+def test_the_gate_closes_on_a_refusal_until_a_completion_or_its_time_runs_out():
+    gate = AdmissionGate()
+    assert not gate.closed()
+    gate.close(60.0, retry_after_s=3)
+    assert gate.closed() and gate.retry_after_s == 3
+    gate.open()
+    assert not gate.closed()
+    gate.close(0.0, retry_after_s=1)
+    assert not gate.closed()
 
 
 @pytest.mark.parametrize("rate", [0.0, 3.0])

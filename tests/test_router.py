@@ -176,6 +176,43 @@ def test_router_falls_back_to_two_choices_without_fresh_stats_and_forgets_dead_r
     asyncio.run(go())
 
 
+def test_router_keeps_the_prediction_of_a_ticketed_request_for_the_replica_it_went_to_and_gates_on_refusal():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cluster import admission
+    from cluster.router import AcceptanceHeadroomRouter
+
+    async def go():
+        router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="gated", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0})
+        loop = admission.admission_loop("gated", admission.AdmissionConfig())
+        assert router.loop is loop  # the ingress of this process gets the same one
+        replicas = fleet([4, 40])
+        request = pending()
+        request.kwargs["ticket"] = ticket = loop.ticket()
+        ranks = await router.choose_replicas(replicas, request)
+        chosen = ranks[0][0]
+        assert chosen.replica_id.unique_id == "r0"
+        router.on_request_routed(request, chosen.replica_id, None)
+        replica, ttft, _ = loop._routed[ticket]
+        assert replica == chosen.replica_id and ttft > 0 and loop._forecasts[replica][-1][1] > 0
+        assert not loop.gate.closed()
+        # A request's own SLO that no replica meets: refused, the gate stays open for the others.
+        own = pending()
+        own.kwargs["slo"] = {"tpot_ms": 0.5}
+        await router.choose_replicas(replicas, own)
+        assert isinstance(own.future.exception(), admission.AdmissionRejected) and not loop.gate.closed()
+        # Every replica full past the SLO: refused, and the gate shuts until a request completes.
+        full = fleet([400, 400])
+        refused = pending()
+        await router.choose_replicas(full, refused)
+        assert isinstance(refused.future.exception(), admission.AdmissionRejected) and loop.gate.closed()
+        router.on_request_completed(chosen.replica_id, "x")
+        assert not loop.gate.closed()
+
+    asyncio.run(go())
+
+
 def test_merged_metrics_label_each_replica():
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -43,17 +43,17 @@ batch has room: nothing more can be predicted for them.
 
 The predictions are open-loop; `SLOFeedback` closes the loop. The ingress
 tags each request with a ticket; the router keeps what it predicted for the
-replica the request went to, and the ingress, which relays the response,
-measures its TTFT (to the first streamed chunk) and TPOT (over the rest). The
-`feedback_quantile` of the recent errors (TTFT as a difference, TPOT as a
-ratio) corrects the next predictions. What the model does not see (the HTTP
-stack and the load generator taking the engine's CPU, prompts longer than
-their characters suggest) is then paid for by admitting less, not by
-missing. The errors are a property of the stack, not of how much is admitted,
-so the correction does not chase its own effect as a controller on the SLO
-attainment would (one that shrank the limits on each miss and grew them on
-each hit oscillated here: admitted attainment 0.80-0.84 at 2-4x where this
-correction holds 0.9, `tests/test_admission.py`).
+replica the request went to (`AdmissionLoop`), and the ingress, which relays
+the response, measures its TTFT (to the first streamed chunk) and TPOT (over
+the rest). The recent errors correct the next predictions (TTFT by a quantile
+of the difference, TPOT by a line fitted to measured over predicted). What
+the model does not see (the HTTP stack and the load generator taking the
+engine's CPU, prompts longer than their characters suggest) is then paid for
+by admitting less, not by missing. The errors are a property of the stack,
+not of how much is admitted, so the correction does not chase its own effect
+as a controller on the SLO attainment would (one that shrank the limits on
+each miss and grew them on each hit oscillated here: admitted attainment
+0.80-0.84 at 2-4x in `tests/test_admission.py`'s harness).
 
 `AdmissionGate` refuses at the ingress, before the handle is called, while
 the router's last decision was a refusal for a full fleet (no replica's TPOT
@@ -95,11 +95,13 @@ class AdmissionConfig(BaseModel):
     tpot_share: float = Field(default=0.75, gt=0, le=1.0, description="admit while the predicted TPOT is under this "
                               "share of the SLO: the rest is for what the batch's later arrivals and the HTTP stack add")
     max_calibration: float = Field(default=4.0, ge=1.0, description="bound on realised over modelled TPOT (both ways)")
-    feedback_window: int = Field(default=64, ge=0, description="admitted requests whose measured TTFT and TPOT "
+    feedback_window: int = Field(default=32, ge=0, description="admitted requests whose measured TTFT and TPOT "
                                  "correct the predictions (SLOFeedback; 0: no feedback)")
-    feedback_max_age_s: float = Field(default=60.0, gt=0, description="measurements older than this are dropped")
+    feedback_max_age_s: float = Field(default=30.0, gt=0, description="measurements older than this are dropped")
     feedback_quantile: float = Field(default=0.9, gt=0, lt=1, description="the correction is this quantile of "
                                      "the recent errors: the predictions are held to the SLOs with it added")
+    probe_s: float = Field(default=1.0, gt=0, description="while the corrected predictions refuse everything, "
+                           "one request this often is admitted on the model's own, so that measurements go on")
     gate_s: float = Field(default=0.5, ge=0, description="after a refusal, the ingress refuses at once for up to "
                           "this long, until a request completes (0: every request reaches the router)")
 
@@ -168,10 +170,10 @@ def decide(
     config: AdmissionConfig,
     waited_ms: float = 0.0,
     slo: RequestSLO | None = None,
-    corrections: tuple[float, float] = (0.0, 1.0),
+    corrections: "Corrections | None" = None,
 ) -> Decision:
     """Admission over one fleet view: `drain_rate` is each replica's measured completions per second;
-    `corrections` (`SLOFeedback.corrections`) add to the predicted TTFT and scale the predicted TPOT."""
+    `corrections` (`SLOFeedback.corrections`) are applied to the predictions (None: the model alone)."""
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room)
     ttft_slo = min(config.ttft_ms, slo.ttft_ms) if slo and slo.ttft_ms else config.ttft_ms
@@ -189,8 +191,10 @@ def decide(
     scale = calibration(f, config)
     stretch = np.where(np.isfinite(scale), scale, stretch)
     step = np.where(has_cost, fc.step_after * stretch, 0.0)
-    ttft = waited_ms + wait_ms + step + prefill * np.where(np.isfinite(scale), scale, 1.0) + corrections[0]
-    tpot = np.where(has_cost, fc.tpot * stretch * corrections[1], 0.0)
+    ttft = waited_ms + wait_ms + step + prefill * np.where(np.isfinite(scale), scale, 1.0)
+    tpot = np.where(has_cost, fc.tpot * stretch, 0.0)
+    if corrections is not None:
+        ttft, tpot = corrections.ttft(ttft), np.where(has_cost, corrections.tpot(tpot), 0.0)
     tpot_slo = tpot_slo * config.tpot_share
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     if feasible.any():
@@ -239,41 +243,80 @@ class DrainMeter:
 
 class SLOFeedback:
     """What admitted requests measured against what admission predicted for them, over the last
-    `feedback_window` of them within `feedback_max_age_s`: TTFT as a difference (the HTTP stack adds time,
-    whatever the queue), TPOT as a ratio. `corrections()` is the `feedback_quantile` of each, applied to the
-    next predictions. (The age limit lets a correction that refuses everything, so that nothing new is
-    measured, lapse.)"""
+    `feedback_window` of them within `feedback_max_age_s`, as corrections for the next predictions:
+
+    - TTFT: plus the `feedback_quantile` of (measured - predicted): the HTTP path adds time, whatever the queue;
+    - TPOT: a line, measured ~ a + b * predicted, fitted by least squares with the slope shrunk towards 1,
+      plus the quantile of its residuals. The model's TPOT misses both a fixed part per token (the stream's
+      relay) and a part that grows with the batch (the engine's CPU taken by the HTTP stack and the load
+      generator). A ratio alone, learned at light load where the fixed part dominates (3-4x there), refused
+      half the requests at a rate whose admitted requests ran at half the SLO.
+
+    (The age limit lets a correction that refuses everything, so that nothing new is measured, lapse.)"""
+
+    PRIOR = 0.2  # the slope's shrinkage: as if a batch of requests had been measured at +-20% around the mean, on y = x
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         n = max(config.feedback_window, 1)
         self._ttft: deque[tuple[float, float]] = deque(maxlen=n)  # (when, realised - predicted ms)
-        self._tpot: deque[tuple[float, float]] = deque(maxlen=n)  # (when, realised / predicted)
-        self._cached: tuple[float, float] | None = (0.0, 1.0)
+        self._tpot: deque[tuple[float, float, float]] = deque(maxlen=n)  # (when, predicted, realised ms)
+        self._cached: TPOTLine | None = None
 
-    def observe(self, predicted: tuple[float, float], ttft_ms: float, tpot_ms: float | None, now: float | None = None) -> None:
+    def observe(
+        self, predicted: tuple[float, float], ttft_ms: float, tpot_ms: float | None, now: float | None = None
+    ) -> None:
         """One admitted request: its predicted (TTFT, TPOT) and its measured ones (TPOT None: one token)."""
         if self.config.feedback_window == 0:
             return
         now = time.monotonic() if now is None else now
         self._ttft.append((now, ttft_ms - predicted[0]))
         if tpot_ms is not None and predicted[1] > 0:
-            self._tpot.append((now, tpot_ms / predicted[1]))
+            self._tpot.append((now, predicted[1], tpot_ms))
         self._cached = None
 
-    def corrections(self, now: float | None = None) -> tuple[float, float]:
-        """(ms added to predicted TTFTs, factor on predicted TPOTs); (0, 1) without recent measurements."""
+    def corrections(self, now: float | None = None) -> "Corrections":
+        """What the next predictions get; `Corrections()` (none) without recent measurements."""
         oldest = (time.monotonic() if now is None else now) - self.config.feedback_max_age_s
-        for errors in (self._ttft, self._tpot):
-            while errors and errors[0][0] < oldest:
-                errors.popleft()
+        for measured in (self._ttft, self._tpot):
+            while measured and measured[0][0] < oldest:
+                measured.popleft()
                 self._cached = None
         if self._cached is None:
-            q, bound = self.config.feedback_quantile, self.config.max_calibration
+            q = self.config.feedback_quantile
             ttft = float(np.quantile([e for _, e in self._ttft], q)) if self._ttft else 0.0
-            tpot = float(np.clip(np.quantile([e for _, e in self._tpot], q), 1.0 / bound, bound)) if self._tpot else 1.0
-            self._cached = (ttft, tpot)
+            self._cached = Corrections(ttft, *self._line(q))
         return self._cached
+
+    def _line(self, q: float) -> tuple[float, float]:
+        """(intercept + residual quantile, slope) of measured TPOT over predicted."""
+        if not self._tpot:
+            return 0.0, 1.0
+        _, x, y = (np.array(c) for c in zip(*self._tpot))
+        xm, ym = x.mean(), y.mean()
+        prior = len(x) * (self.PRIOR * xm) ** 2
+        slope = float(np.clip((((x - xm) * (y - ym)).sum() + prior) / (((x - xm) ** 2).sum() + prior),
+                              1.0, self.config.max_calibration))
+        intercept = ym - slope * xm
+        return float(intercept + np.quantile(y - intercept - slope * x, q)), slope
+
+
+class Corrections(NamedTuple):
+    """Corrected TTFT = predicted + ttft_ms; corrected TPOT = tpot_ms + tpot_slope * predicted."""
+
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    tpot_slope: float = 1.0
+
+    def ttft(self, predicted):
+        return predicted + self.ttft_ms
+
+    def tpot(self, predicted):
+        return self.tpot_ms + self.tpot_slope * predicted
+
+    def undo(self, ttft, tpot) -> tuple:
+        """The model's own predictions from corrected ones."""
+        return ttft - self.ttft_ms, (tpot - self.tpot_ms) / self.tpot_slope
 
 
 class AdmissionGate:
@@ -303,14 +346,17 @@ class AdmissionLoop:
     the feedback, the gate, and the predictions of requests under way, by ticket.
 
     A request's TPOT is its batch's over its life, and requests admitted after it grow that batch: its
-    prediction is therefore the mean of the TPOTs forecast for every request placed on its replica from its
-    own admission to its end (each the batch's TPOT after that placement), not only its own. (Against its own
-    alone, the first requests into an idle replica under overload were measured at 3x their prediction, and the
-    correction then refused everything, for good: nothing admitted, nothing measured.)"""
+    prediction is therefore the batch TPOT forecast at each placement on its replica (the batch's TPOT after
+    that placement), from its own admission to its end, averaged over time. (Against its own alone, the first
+    requests into an idle replica under overload were measured at 3x their prediction, and the correction then
+    refused everything; averaged over placements rather than time, the first of a burst looked better
+    predicted than the last, and the fitted line sloped down.)"""
 
     def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
         self.feedback = SLOFeedback(config)
         self.gate = AdmissionGate()
+        self.last_admitted = -math.inf
         self._routed: OrderedDict[int, tuple[Hashable, float, int]] = OrderedDict()  # ticket -> (replica, TTFT, seq)
         self._forecasts: dict[Hashable, deque[tuple[int, float]]] = {}  # replica -> (seq, TPOT forecast)
         self._seq = itertools.count()
@@ -319,22 +365,50 @@ class AdmissionLoop:
     def ticket(self) -> int:
         return next(self._tickets)
 
-    def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float) -> None:
+    def decide(self, *args, now: float | None = None, **kwargs) -> tuple[Decision, Corrections]:
+        """`decide` with the feedback's corrections, and the corrections it used. When they refuse a request
+        that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
+        correction that refuses everything would otherwise never be measured again (one learned under
+        overload refused everything for the minute its measurements lived, after the load had gone)."""
+        now = time.monotonic() if now is None else now
+        corrections = self.feedback.corrections(now)
+        decision = decide(*args, corrections=corrections, **kwargs)
+        if not decision.admit and corrections != Corrections() and now - self.last_admitted >= self.config.probe_s:
+            probe = decide(*args, **kwargs)
+            if probe.admit:
+                decision, corrections = probe, Corrections()
+        if decision.admit:
+            self.last_admitted = now
+        return decision, corrections
+
+    def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float, now: float | None = None) -> None:
         """The router's prediction for the replica the request went to (before the feedback's correction)."""
-        seq = next(self._seq)
-        self._forecasts.setdefault(replica, deque(maxlen=MAX_PENDING)).append((seq, tpot_ms))
-        self._routed[ticket] = (replica, ttft_ms, seq)
+        now = time.monotonic() if now is None else now
+        self._forecasts.setdefault(replica, deque(maxlen=MAX_PENDING)).append((now, tpot_ms))
+        self._routed[ticket] = (replica, ttft_ms, now)
         while len(self._routed) > MAX_PENDING:
             self._routed.popitem(last=False)
 
-    def finished(self, ticket: int, ttft_ms: float | None = None, tpot_ms: float | None = None, now: float | None = None) -> None:
+    def finished(
+        self, ticket: int, ttft_ms: float | None = None, tpot_ms: float | None = None, now: float | None = None
+    ) -> None:
         """The ingress's measurement (`ttft_ms` None: none to report, the ticket is let go)."""
         routed = self._routed.pop(ticket, None)
         if routed is None or ttft_ms is None:
             return
+        now = time.monotonic() if now is None else now
         replica, ttft_predicted, since = routed
-        forecasts = [f for seq, f in self._forecasts.get(replica, ()) if seq >= since]
-        self.feedback.observe((ttft_predicted, float(np.mean(forecasts)) if forecasts else 0.0), ttft_ms, tpot_ms, now)
+        self.feedback.observe((ttft_predicted, self._life_forecast(replica, since, now)), ttft_ms, tpot_ms, now)
+
+    def _life_forecast(self, replica: Hashable, since: float, until: float) -> float:
+        """The replica's batch TPOT forecast averaged over [since, until], each forecast holding until the next."""
+        marks = [(t, f) for t, f in self._forecasts.get(replica, ()) if t >= since]
+        if not marks:
+            return 0.0
+        ends = [t for t, _ in marks[1:]] + [max(until, marks[-1][0])]
+        spans = np.array([e - t for (t, _), e in zip(marks, ends)])
+        values = np.array([f for _, f in marks])
+        return float(values @ spans / spans.sum()) if spans.sum() > 0 else float(values.mean())
 
     def forget(self, replica: Hashable) -> None:
         self._forecasts.pop(replica, None)

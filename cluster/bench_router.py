@@ -57,7 +57,7 @@ def _fleet_stats(n: int, rng: random.Random) -> list[dict]:
     out = []
     for _ in range(n):
         running = rng.randrange(0, 64)
-        mix = StepMix(drafted=rng.uniform(0, 4), verified=rng.uniform(0, 3), accepted=rng.uniform(0, 2))
+        mix = StepMix(drafted=rng.uniform(0, 4), verified=rng.uniform(0, 3), accepted=rng.uniform(0, 2), measured=True)
         stats = routing_stats(
             cost=cost, running=running, waiting=rng.randrange(0, 3), kv_usage=rng.random(), max_num_seqs=64,
             token_budget=2048, cap_ms=100.0, mix=mix, predicted_accept_len=rng.uniform(1.5, 4.0),

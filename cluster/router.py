@@ -102,6 +102,9 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         self._fallbacks = router_metrics.DECISIONS.labels(ROUTER_NAME, "fallback")
         self._refusals = router_metrics.DECISIONS.labels(ROUTER_NAME, "refused")
         self._timer = router_metrics.DECISION_SECONDS.labels(ROUTER_NAME)
+        self._ttft_correction = router_metrics.ADMISSION_CORRECTION.labels("ttft")
+        self._tpot_correction = router_metrics.ADMISSION_CORRECTION.labels("tpot")
+        self._tpot_slope = router_metrics.ADMISSION_CORRECTION.labels("tpot_slope")
 
     def _fleet(self, candidates: list[RunningReplica]) -> _FleetView | None:
         view = self._view
@@ -129,7 +132,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         tokens = expected_tokens_per_step(view.arrays, relative)
         slack = placement_slack(view.arrays, added, tokens)
         if self.admission is not None:
-            decision = admission_module.decide(
+            decision, correction = self.loop.decide(
                 view.arrays,
                 added,
                 tokens,
@@ -138,8 +141,10 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 self.admission,
                 waited_ms=waited_ms,
                 slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
-                corrections=(correction := self.loop.feedback.corrections()),
             )
+            self._ttft_correction.set(correction.ttft_ms)
+            self._tpot_correction.set(correction.tpot_ms)
+            self._tpot_slope.set(correction.tpot_slope)
             if not decision.admit:
                 self._refusals.inc()
                 if decision.full:
@@ -148,7 +153,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                     decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min())
                 )
             if ticket is not None:  # kept uncorrected: the feedback compares the model's own predictions
-                self._predictions[ticket] = (view.position, decision.ttft_ms - correction[0], decision.tpot_ms / correction[1])
+                self._predictions[ticket] = (view.position, *correction.undo(decision.ttft_ms, decision.tpot_ms))
                 while len(self._predictions) > admission_module.MAX_PENDING:
                     self._predictions.pop(next(iter(self._predictions)))
             slack = np.where(decision.feasible, slack, -np.inf)  # infeasible replicas sort last

@@ -13,7 +13,8 @@ here is in step terms, from the replica's own profiled cost model:
   the next `REQUEST_SECANT`);
 - `token_ms`: what one more verified draft token adds to a step;
 - `tokens_per_step`: tokens each request gets per step (1 + accepted drafts);
-- `predicted_accept_len`: the estimator's mean accepted length for the running batch;
+- `predicted_accept_len`: the estimator's mean accepted length for the running batch (what the router
+  goes by until `mix_measured`: the replica has run steps, so `tokens_per_step` is measured);
 - `realised_tpot_ms`: the engine's measured time per decoded token over the last period
   (None when too little was decoded): what `step_ms / tokens_per_step` predicted, as it came out.
 """
@@ -42,6 +43,7 @@ class RoutingStats(BaseModel):
     token_ms: float | None = None  # what one more verified token adds to a step
     tokens_per_step: float = 1.0
     verified_per_step: float = 0.0  # verified drafts per request-step
+    mix_measured: bool = False  # tokens_per_step and verified_per_step come from steps the engine ran
     predicted_accept_len: float = 1.0
     realised_tpot_ms: float | None = None
 
@@ -56,6 +58,7 @@ class StepMix(BaseModel):
     drafted: float = 0.0
     verified: float = 0.0
     accepted: float = 0.0
+    measured: bool = False  # from steps the engine ran (the default mix is a guess)
 
 
 def step_mix(now: dict, before: dict | None) -> StepMix | None:
@@ -69,7 +72,9 @@ def step_mix(now: dict, before: dict | None) -> StepMix | None:
     def delta(name: str) -> float:
         return (sum(now[name]) - sum(before[name])) / steps
 
-    return StepMix(drafted=delta("drafted_per_pos"), verified=delta("verified_per_pos"), accepted=delta("accepted_per_pos"))
+    return StepMix(
+        drafted=delta("drafted_per_pos"), verified=delta("verified_per_pos"), accepted=delta("accepted_per_pos"), measured=True
+    )
 
 
 def headroom_tokens(
@@ -115,6 +120,7 @@ def routing_stats(
         cap_ms=cap_ms,
         tokens_per_step=1.0 + mix.accepted,
         verified_per_step=mix.verified,
+        mix_measured=mix.measured,
         predicted_accept_len=predicted_accept_len,
         realised_tpot_ms=realised_tpot_ms,
     )

@@ -18,7 +18,7 @@ from replicas.routing_stats import StepMix, headroom_tokens, routing_stats
 from scheduling.cost_model import StepCostModel
 
 COST = StepCostModel.linear(intercept_ms=8.0, per_request_ms=0.2, per_draft_ms=0.2, per_target_ms=0.3, draft_launch_ms=5.0)
-MIX = StepMix(drafted=3.0, verified=2.0, accepted=1.0)
+MIX = StepMix(drafted=3.0, verified=2.0, accepted=1.0, measured=True)
 
 
 def stats(running: int, *, cap_ms: float = 60.0, mix: StepMix = MIX, waiting: int = 0, max_num_seqs: int = 64):
@@ -54,7 +54,7 @@ def test_placement_prefers_the_unloaded_replica_and_counts_requests_routed_since
 
 
 def test_acceptance_pays_only_where_there_is_room_to_verify():
-    base = stats(30, cap_ms=1000.0, mix=StepMix(drafted=6.0, verified=5.0, accepted=4.0))  # the batch gets 5 tokens a step
+    base = stats(30, cap_ms=1000.0, mix=StepMix(drafted=6.0, verified=5.0, accepted=4.0, measured=True))  # the batch gets 5 tokens a step
     step_after = base.step_ms + base.request_ms
     tight = base.model_copy(update={"cap_ms": step_after})  # no room left to verify a draft
     roomy = base.model_copy(update={"cap_ms": step_after + 500.0})
@@ -69,9 +69,17 @@ def test_acceptance_pays_only_where_there_is_room_to_verify():
 
 
 def test_expected_tokens_scale_with_the_requests_relative_acceptance():
-    fleet = FleetArrays([stats(8, mix=StepMix(drafted=4, verified=3, accepted=2)), stats(8)])
+    fleet = FleetArrays([stats(8, mix=StepMix(drafted=4, verified=3, accepted=2, measured=True)), stats(8)])
     assert expected_tokens_per_step(fleet, 1.0) == pytest.approx(1.0 + (3.0 + 2.0) / 2 - 1.0)
     assert expected_tokens_per_step(fleet, 1.2) > expected_tokens_per_step(fleet, 0.8)
+
+
+def test_a_replica_that_ran_is_judged_by_its_measured_tokens_even_when_nothing_was_accepted():
+    # Served at temperature 1 nothing is accepted: measured 1.0 tokens per step, whatever the estimator predicts.
+    nothing = StepMix(drafted=0.1, verified=0.1, accepted=0.0, measured=True)
+    assert expected_tokens_per_step(FleetArrays([stats(8, mix=nothing)]), 1.0) == pytest.approx(1.0)
+    # Control: a replica that has not run yet goes by the estimator's prediction (2.5 here).
+    assert expected_tokens_per_step(FleetArrays([stats(0, mix=StepMix())]), 1.0) == pytest.approx(2.5)
 
 
 def test_prompt_model_tells_the_shipped_domains_apart_held_out():
@@ -273,3 +281,29 @@ def test_custom_resources_and_autoscaling_reach_the_deployment_options():
     tp = ReplicaConfig(accelerator="gpu", engine=EngineConfig(tensor_parallel_size=2), resources={"h200": 1})
     assert engine_deployment_options(tp)["placement_group_bundles"][0] == {"CPU": 1.0, "GPU": 1, "h200": 1}
     assert replica_count_options(ReplicaConfig(num_replicas=3)) == {"num_replicas": 3}
+
+
+def test_the_replica_lowers_the_cpu_priority_of_every_thread_of_its_engine_processes():
+    import os
+    import subprocess
+    import sys
+
+    from replicas.deployment import lower_priority
+
+    # A child with a second thread, as an engine process has its compute threads.
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(1.0)
+        threads = os.listdir(f"/proc/{child.pid}/task")
+        assert len(threads) == 2
+        before = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads}
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert child.pid in lower_priority(3)
+        after = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads}
+        assert all(after[t] == min(before[t] + 3, 19) for t in threads), (before, after)
+        lower_priority(0)  # control: no increment, no change
+        assert {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == after
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the replica itself keeps its priority
+    finally:
+        child.kill()

@@ -282,28 +282,3 @@ def test_custom_resources_and_autoscaling_reach_the_deployment_options():
     assert engine_deployment_options(tp)["placement_group_bundles"][0] == {"CPU": 1.0, "GPU": 1, "h200": 1}
     assert replica_count_options(ReplicaConfig(num_replicas=3)) == {"num_replicas": 3}
 
-
-def test_the_replica_lowers_the_cpu_priority_of_every_thread_of_its_engine_processes():
-    import os
-    import subprocess
-    import sys
-
-    from replicas.deployment import lower_priority
-
-    # A child with a second thread, as an engine process has its compute threads.
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        time.sleep(1.0)
-        threads = os.listdir(f"/proc/{child.pid}/task")
-        assert len(threads) == 2
-        before = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads}
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        assert child.pid in lower_priority(3)
-        after = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads}
-        assert all(after[t] == min(before[t] + 3, 19) for t in threads), (before, after)
-        lower_priority(0)  # control: no increment, no change
-        assert {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in threads} == after
-        assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the replica itself keeps its priority
-    finally:
-        child.kill()

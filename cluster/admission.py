@@ -97,7 +97,7 @@ class AdmissionConfig(BaseModel):
     max_calibration: float = Field(default=4.0, ge=1.0, description="bound on realised over modelled TPOT (both ways)")
     feedback_window: int = Field(default=32, ge=0, description="admitted requests whose measured TTFT and TPOT "
                                  "correct the predictions (SLOFeedback; 0: no feedback)")
-    feedback_max_age_s: float = Field(default=30.0, gt=0, description="measurements older than this are dropped")
+    feedback_max_age_s: float = Field(default=10.0, gt=0, description="measurements older than this are dropped")
     feedback_quantile: float = Field(default=0.9, gt=0, lt=1, description="the correction is this quantile of "
                                      "the recent errors: the predictions are held to the SLOs with it added")
     probe_s: float = Field(default=1.0, gt=0, description="while the corrected predictions refuse everything, "
@@ -368,8 +368,9 @@ class AdmissionLoop:
     def decide(self, *args, now: float | None = None, **kwargs) -> tuple[Decision, Corrections]:
         """`decide` with the feedback's corrections, and the corrections it used. When they refuse a request
         that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
-        correction that refuses everything would otherwise never be measured again (one learned under
-        overload refused everything for the minute its measurements lived, after the load had gone)."""
+        correction that refuses everything would otherwise be measured again only when its measurements age
+        out (`feedback_max_age_s`; one learned from the burst that opens an overload refused everything while
+        they lived, the load gone or not)."""
         now = time.monotonic() if now is None else now
         corrections = self.feedback.corrections(now)
         decision = decide(*args, corrections=corrections, **kwargs)

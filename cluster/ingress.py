@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.admission import TPOT_HEADER, TTFT_HEADER, AdmissionConfig, AdmissionLoop, AdmissionRejected, RequestSLO, admission_loop
+from cluster.router_metrics import DECISIONS
 from replicas.openai_api import Reply, error_reply, exception_reply
 
 logger = logging.getLogger("ray.serve")
@@ -72,6 +73,7 @@ def raised_by_replica(e: BaseException) -> BaseException | None:
     return e
 
 
+GATED = DECISIONS.labels("acceptance_headroom", "gated")  # refused at the ingress's gate, before the router
 _COMPLETION_TOKENS = re.compile(r'"completion_tokens"\s*:\s*(\d+)')
 
 
@@ -105,6 +107,7 @@ class HandleBackend:
         if loop is None:
             return await self._dispatch(route, body, kwargs)
         if loop.gate.closed():  # the router refused last and nothing finished since
+            GATED.inc()
             return self._refused(loop.gate.retry_after_s, "no replica can serve the request within its SLOs now")
         kwargs["ticket"] = ticket = loop.ticket()
         reply = await self._dispatch(route, body, kwargs, loop, start)

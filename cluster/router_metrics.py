@@ -9,7 +9,7 @@ from prometheus_client import Counter, Gauge, Histogram
 DECISIONS = Counter(
     "forespark_router_decisions",
     "routing decisions of the request router",
-    ["router", "mode"],  # mode: ranked (on replica stats) | fallback (power of two choices)
+    ["router", "mode"],  # ranked (on replica stats) | fallback (power of two choices) | refused | gated (at the ingress)
 )
 DECISION_SECONDS = Histogram(
     "forespark_router_decision_seconds",

@@ -55,6 +55,7 @@ class StepSample:
     context_ms: float = 0.0  # ... and the time that took
     predicted_ms: float = 0.0  # the plan's predicted step time (0: no plan was made this step)
     expected_tokens: float = 0.0  # ... and the tokens it expected (requests + expected accepted drafts)
+    accepted_tokens: int = 0  # drafts accepted this step (of the verified_tokens)
 
 
 class _ProposeArgs(NamedTuple):
@@ -171,6 +172,8 @@ class WCSRunnerMixin:
         emitted = (sampled[:batch] != -1).sum(dim=1).cpu().numpy().astype(np.int64)
         accepted = np.clip(emitted - 1, 0, verified)
         ctl.observe(req_ids, verified, accepted)
+        if self._wcs_step is not None:
+            self._wcs_step.accepted_tokens = int(accepted.sum())
 
         states = [self.requests[r] for r in req_ids]
         generated = np.array([len(s.output_token_ids) for s in states]) + emitted

@@ -13,12 +13,11 @@ with vLLM's message (500 for a server error), never retried elsewhere.
 Disconnecting clients cancel their call, and with it the engine request.
 
 With admission on, the ingress also closes admission's loop
-(`cluster.admission.SLOFeedback`): it tags each request with a ticket, under
+(`cluster.admission.SLOFeedback`). It tags each request with a ticket, under
 which the router keeps its prediction, and reports the TTFT (to the first
 streamed chunk) and TPOT (over the rest, from the usage the stream ends with)
-it measured; and while the router's
-last decision was a refusal (`AdmissionGate`) it answers 429 without calling
-the handle.
+that it measured. While the router's last decision was a refusal for a full
+fleet (`AdmissionGate`), it answers 429 without calling the handle.
 """
 
 from __future__ import annotations
@@ -87,15 +86,10 @@ class HandleBackend:
         self._board = None  # the metrics board's handle, found on the first scrape
 
     def _overloaded(self) -> Reply:
-        return error_reply(
-            self.config.overload_status,
-            "the server is at capacity; retry later",
-            "RateLimitError" if self.config.overload_status == 429 else "ServiceUnavailableError",
-            headers={"Retry-After": str(self.config.retry_after_s)},
-        )
+        return self._refused(self.config.retry_after_s, "the server is at capacity; retry later")
 
     async def _call(self, route: str, body: Any = None, raw_request=None) -> Reply:
-        kwargs, slo, start = {}, None, time.perf_counter()
+        kwargs, start = {}, time.perf_counter()
         if raw_request is not None:
             try:
                 slo = RequestSLO.from_headers(raw_request.headers)

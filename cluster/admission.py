@@ -59,9 +59,8 @@ each miss and grew them on each hit oscillated here: admitted attainment
 the router's last decision was a refusal for a full fleet (no replica's TPOT
 fits the application's SLO, whatever the request: a refusal for a request's
 own tighter SLO, or for a long prompt's TTFT, leaves it open) and nothing has
-completed since:
-under overload most arrivals are refused, and each refusal through the
-handle costs the CPU the admitted requests need.
+completed since. Under overload most arrivals are refused, and each refusal
+through the handle costs CPU that the admitted requests need.
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ class AdmissionConfig(BaseModel):
                                      "the recent errors: the predictions are held to the SLOs with it added")
     probe_s: float = Field(default=1.0, gt=0, description="while the corrected predictions refuse everything, "
                            "one request this often is admitted on the model's own, so that measurements go on")
-    gate_s: float = Field(default=0.5, ge=0, description="after a refusal, the ingress refuses at once for up to "
+    gate_s: float = Field(default=0.5, ge=0, description="after a refusal for a full fleet, the ingress refuses at once for up to "
                           "this long, until a request completes (0: every request reaches the router)")
 
 
@@ -246,11 +245,12 @@ class SLOFeedback:
     `feedback_window` of them within `feedback_max_age_s`, as corrections for the next predictions:
 
     - TTFT: plus the `feedback_quantile` of (measured - predicted): the HTTP path adds time, whatever the queue;
-    - TPOT: a line, measured ~ a + b * predicted, fitted by least squares with the slope shrunk towards 1,
-      plus the quantile of its residuals. The model's TPOT misses both a fixed part per token (the stream's
-      relay) and a part that grows with the batch (the engine's CPU taken by the HTTP stack and the load
-      generator). A ratio alone, learned at light load where the fixed part dominates (3-4x there), refused
-      half the requests at a rate whose admitted requests ran at half the SLO.
+    - TPOT: a line, measured ~ a + b * predicted, fitted by least squares with the slope shrunk towards 1
+      (and at least 1), plus the quantile of its residuals. The model's TPOT misses both a fixed part per
+      token (the stream's relay) and a part that grows with the batch (the engine's CPU taken by the HTTP
+      stack and the load generator). A ratio alone, learned at light load, refused half the requests at
+      10 req/s while the admitted ones ran at half the SLO. A slope below 1 came only from bursts whose
+      first requests were predicted low: it sloped the line down and raised the intercept past the SLO.
 
     (The age limit lets a correction that refuses everything, so that nothing new is measured, lapse.)"""
 
@@ -261,7 +261,7 @@ class SLOFeedback:
         n = max(config.feedback_window, 1)
         self._ttft: deque[tuple[float, float]] = deque(maxlen=n)  # (when, realised - predicted ms)
         self._tpot: deque[tuple[float, float, float]] = deque(maxlen=n)  # (when, predicted, realised ms)
-        self._cached: TPOTLine | None = None
+        self._cached: Corrections | None = None
 
     def observe(
         self, predicted: tuple[float, float], ttft_ms: float, tpot_ms: float | None, now: float | None = None
@@ -357,9 +357,8 @@ class AdmissionLoop:
         self.feedback = SLOFeedback(config)
         self.gate = AdmissionGate()
         self.last_admitted = -math.inf
-        self._routed: OrderedDict[int, tuple[Hashable, float, int]] = OrderedDict()  # ticket -> (replica, TTFT, seq)
-        self._forecasts: dict[Hashable, deque[tuple[int, float]]] = {}  # replica -> (seq, TPOT forecast)
-        self._seq = itertools.count()
+        self._routed: OrderedDict[int, tuple[Hashable, float, float]] = OrderedDict()  # ticket -> (replica, TTFT, when)
+        self._forecasts: dict[Hashable, deque[tuple[float, float]]] = {}  # replica -> (when, batch TPOT forecast)
         self._tickets = itertools.count()
 
     def ticket(self) -> int:

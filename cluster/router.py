@@ -18,7 +18,7 @@ the request's SLOs are ranked; with none, the request is refused at once
 Its predictions are corrected by what the ingress measured of the requests
 it admitted (`SLOFeedback`, shared with the ingress in this process: the
 router records each request's prediction under the ingress's ticket), and a
-refusal closes the ingress's gate until a request completes.
+refusal for a full fleet closes the ingress's gate until a request completes.
 A request waiting for a free replica is decided again at every attempt, with
 the time it has waited, so one past its TTFT deadline never reaches an engine.
 Replicas without fresh stats (cold start) make the decision fall back to

@@ -337,6 +337,9 @@ class AdmissionGate:
     def closed(self) -> bool:
         return time.monotonic() < self.closed_until
 
+    def remaining_s(self) -> float:
+        return max(self.closed_until - time.monotonic(), 0.0)
+
 
 MAX_PENDING = 4096  # tickets whose predictions are kept at most (requests the ingress never reported are let go)
 

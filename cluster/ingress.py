@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.admission import TPOT_HEADER, TTFT_HEADER, AdmissionConfig, AdmissionLoop, AdmissionRejected, RequestSLO, admission_loop
+from cluster.proxy_gate import GATE_HEADER
 from cluster.router_metrics import DECISIONS
 from replicas.openai_api import Reply, error_reply, exception_reply
 
@@ -102,7 +103,7 @@ class HandleBackend:
             return await self._dispatch(route, body, kwargs)
         if loop.gate.closed():  # the router refused last and nothing finished since
             GATED.inc()
-            return self._refused(loop.gate.retry_after_s, "no replica can serve the request within its SLOs now")
+            return self._refused(loop.gate.retry_after_s, "no replica can serve the request within its SLOs now", loop)
         kwargs["ticket"] = ticket = loop.ticket()
         reply = await self._dispatch(route, body, kwargs, loop, start)
         if reply.stream is None:  # refused, failed, or a whole response (whose TTFT is not known here)
@@ -121,7 +122,8 @@ class HandleBackend:
             except BackPressureError:
                 return self._overloaded()
             except AdmissionRejected as refusal:  # the router predicts no replica meets the SLOs: refused at once
-                return self._refused(refusal.retry_after_s, str(refusal))
+                gated = loop if loop is not None and loop.gate.closed() else None  # (a full fleet shuts the gate)
+                return self._refused(refusal.retry_after_s, str(refusal), gated)
             except Exception as e:
                 raised = raised_by_replica(e)
                 if raised is not None:  # the replica is alive and answered: never retried elsewhere
@@ -137,12 +139,16 @@ class HandleBackend:
             return Reply(status, stream=self._relay(gen, loop, kwargs.get("ticket", 0), start, measure=status == 200))
         raise AssertionError("unreachable")
 
-    def _refused(self, retry_after_s: int, message: str) -> Reply:
+    def _refused(self, retry_after_s: int, message: str, gated: AdmissionLoop | None = None) -> Reply:
+        """`gated`: refused at the gate, which the reply tells the proxy (`cluster/proxy_gate.py`)."""
+        headers = {"Retry-After": str(retry_after_s)}
+        if gated is not None:
+            headers[GATE_HEADER] = f"{gated.gate.remaining_s() * 1000.0:.0f}"
         return error_reply(
             self.config.overload_status,
             message,
             "RateLimitError" if self.config.overload_status == 429 else "ServiceUnavailableError",
-            headers={"Retry-After": str(retry_after_s)},
+            headers=headers,
         )
 
     async def _relay(

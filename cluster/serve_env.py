@@ -15,6 +15,8 @@ or in the environment of `ray start` on every node (the shipped manifests do).
   front to be reachable on the serving port; we keep the proxy on `--port`.
 - `RAY_SERVE_PROXY_USE_GRPC=1`: the proxy -> ingress hop over gRPC too (Serve
   derives this flag before applying the throughput mode, so it is set here).
+- `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`: the proxy answers refusals
+  itself while admission's gate is shut (`cluster/proxy_gate.py`).
 
 Values already in the environment win, so an operator can turn any of them off.
 """
@@ -27,6 +29,7 @@ SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "cluster.proxy_gate:proxy_middlewares",
 }
 
 

@@ -317,3 +317,45 @@ def test_admission_keeps_a_margin_under_the_tpot_slo():
     margin = CONFIG.model_copy(update={"tpot_share": 0.75})
     assert not one(stats(22), config=margin).admit and one(stats(12), config=margin).admit
     assert AdmissionConfig().tpot_share == 0.75
+
+
+def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everything_else():
+    import asyncio
+    import json
+
+    from cluster.proxy_gate import GATE_HEADER, ProxyGate
+
+    calls = []
+
+    async def ingress(scope, receive, send):  # refuses at its gate (with the header), or for a full queue (without)
+        calls.append(scope["path"])
+        headers = [(b"retry-after", b"2")] + ([(GATE_HEADER.encode(), b"400")] if scope["path"] != "/v1/chat/completions" else [])
+        await send({"type": "http.response.start", "status": 429, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps({"error": {"code": 429}}).encode(), "more_body": False})
+
+    async def call(gate, path, method="POST"):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await gate({"type": "http", "method": method, "path": path}, None, send)
+        return sent
+
+    async def go():
+        gate = ProxyGate(ingress, window_s=0.2)
+        first = await call(gate, "/v1/completions")
+        again = await call(gate, "/v1/completions")
+        assert calls == ["/v1/completions"] and again == first and gate.answered == 1  # answered by the proxy
+        await call(gate, "/v1/models", method="GET")  # not an inference route: forwarded
+        assert calls[-1] == "/v1/models"
+        await asyncio.sleep(0.25)  # the window is over: the ingress decides again
+        await call(gate, "/v1/completions")
+        assert calls.count("/v1/completions") == 2
+        # Control: a refusal without the gate's header (queues full) is not replayed.
+        other = ProxyGate(ingress, window_s=10.0)
+        await call(other, "/v1/chat/completions")
+        await call(other, "/v1/chat/completions")
+        assert calls.count("/v1/chat/completions") == 2 and other.answered == 0
+
+    asyncio.run(go())

@@ -67,7 +67,8 @@ def simulate(
 ):
     """One replica, steps priced by COST (times `slowdown`, which the stats do not show: the engine's CPU
     taken by something else), stats refreshed every 100 ms, the router's added count between. With
-    `feedback`, each finished request reports whether it met its SLOs and admission holds to its factors.
+    `feedback`, each finished request reports its TTFT and TPOT, and admission applies the corrections
+    (`AdmissionLoop`, as the ingress and the router run it).
 
     Returns (goodput req/s, attainment of admitted requests, share refused)."""
     rng = random.Random(seed)

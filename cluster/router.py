@@ -37,7 +37,8 @@ import numpy as np
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from cluster import admission as admission_module, router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
-from cluster.placement import FleetArrays, expected_tokens_per_step, placement_slack
+from cluster.placement import FleetArrays
+from cluster.route import route
 from cluster.prompt_model import PromptModel, prompt_text
 from replicas.routing_stats import RoutingStats
 
@@ -127,28 +128,28 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         if view is None:  # cold start or a silent replica: power of two choices, Serve picks the shorter queue
             self._fallbacks.inc()
             return [random.sample(candidates, min(2, len(candidates)))]
-        added = view.routed - view.baseline
-        relative = self.model.relative_acceptance(body) if body else 1.0
-        tokens = expected_tokens_per_step(view.arrays, relative)
-        slack = placement_slack(view.arrays, added, tokens)
-        if self.admission is not None:
-            decision, correction = self.loop.decide(
-                view.arrays,
-                added,
-                tokens,
-                admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, self.admission),
-                self.drain.rates(view.ids),
-                self.admission,
-                waited_ms=waited_ms,
-                slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
-            )
+        loop, config = self.loop, self.admission
+        routed = route(
+            view.arrays,
+            view.routed - view.baseline,
+            self.model.relative_acceptance(body) if body else 1.0,
+            loop=loop,
+            config=config,
+            prompt_tokens=admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, config) if config else 0.0,
+            drain_rates=self.drain.rates(view.ids) if config else None,
+            waited_ms=waited_ms,
+            slo=admission_module.RequestSLO.model_validate(slo) if slo and config else None,
+            tie_ms=self.tie_ms,
+        )
+        decision, correction = routed.decision, routed.correction
+        if decision is not None:
             self._ttft_correction.set(correction.ttft_ms)
             self._tpot_correction.set(correction.tpot_ms)
             self._tpot_slope.set(correction.tpot_slope)
             if not decision.admit:
                 self._refusals.inc()
                 if decision.full:
-                    self.loop.gate.close(self.admission.gate_s, decision.retry_after_s)
+                    loop.gate.close(config.gate_s, decision.retry_after_s)
                 raise admission_module.AdmissionRejected(
                     decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min())
                 )
@@ -156,14 +157,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 self._predictions[ticket] = (view.position, *correction.undo(decision.ttft_ms, decision.tpot_ms))
                 while len(self._predictions) > admission_module.MAX_PENDING:
                     self._predictions.pop(next(iter(self._predictions)))
-            slack = np.where(decision.feasible, slack, -np.inf)  # infeasible replicas sort last
-            feasible = int(decision.feasible.sum())
-        else:
-            feasible = len(candidates)
-        order = np.argsort(-slack, kind="stable")
-        best = slack[order[0]]
-        tied = int(np.searchsorted(-slack[order], -best + self.tie_ms, side="right"))
-        ranked = [candidates[i] for i in order][:feasible]  # infeasible replicas are never offered
+        ranked = [candidates[i] for i in routed.order]
+        tied = routed.tied
         self._decisions.inc()
         singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]
         tail = ranked[tied + self.top_ranks - 1 :]

@@ -327,18 +327,18 @@ class AdmissionGate:
         self.closed_until = 0.0
         self.retry_after_s = 1
 
-    def close(self, seconds: float, retry_after_s: int) -> None:
-        self.closed_until = time.monotonic() + seconds
+    def close(self, seconds: float, retry_after_s: int, now: float | None = None) -> None:
+        self.closed_until = (time.monotonic() if now is None else now) + seconds
         self.retry_after_s = retry_after_s
 
     def open(self) -> None:
         self.closed_until = 0.0
 
-    def closed(self) -> bool:
-        return time.monotonic() < self.closed_until
+    def closed(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.closed_until
 
-    def remaining_s(self) -> float:
-        return max(self.closed_until - time.monotonic(), 0.0)
+    def remaining_s(self, now: float | None = None) -> float:
+        return max(self.closed_until - (time.monotonic() if now is None else now), 0.0)
 
 
 MAX_PENDING = 4096  # tickets whose predictions are kept at most (requests the ingress never reported are let go)

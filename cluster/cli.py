@@ -17,6 +17,7 @@
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
     forespark models workloads           rewrite the shipped workload prompts from held-out text
+    forespark simulate profiles|run|compare|bench   the fleet simulator (cluster/sim/): simulated figures
 """
 
 from __future__ import annotations
@@ -743,6 +744,10 @@ def build_parser() -> argparse.ArgumentParser:
     mwork = models_sub.add_parser("workloads", help="rewrite replicas/models/workloads/*.jsonl from held-out text")
     mwork.add_argument("--per-domain", type=int, default=64)
     mwork.set_defaults(func=cmd_models_workloads)
+
+    from cluster.sim.cli import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

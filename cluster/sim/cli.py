@@ -1,0 +1,171 @@
+"""`forespark simulate ...`: the fleet simulator's commands (registered by `cluster/cli.py`).
+
+    forespark simulate profiles                    the cost profiles by name
+    forespark simulate run --rate R [--json P]     one simulated load test: the load test's report
+    forespark simulate compare [--json P]          capacity per variant, ratios as `forespark compare` writes them
+    forespark simulate bench [--json P]            simulated requests per wall second at a fleet size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from cluster.sim.profiles import DEFAULT_PROFILE
+
+
+def _write(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def _inputs(args: argparse.Namespace, rate: float):
+    from cluster.admission import AdmissionConfig
+    from cluster.sim.engine import EngineSpec
+    from cluster.sim.fleet import FleetConfig, LoadConfig
+    from loadtest.config import SLOConfig, Shape
+
+    slo = SLOConfig.load(args.slo)
+    given = {k: v for k, v in (("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("attainment_target", args.target)) if v is not None}
+    slo = SLOConfig.model_validate({**slo.model_dump(), **given})
+    shape = Shape(kind=args.shape, step_s=args.step_s, step_rate=args.step_rate, burst_at_s=args.burst_at_s,
+                  burst_s=args.burst_s, burst_rate=args.burst_rate)
+    load = LoadConfig(rate=rate, duration_s=args.duration, drain_s=args.drain, shape=shape, domains=args.domains,
+                      max_tokens=args.max_tokens, seed=args.seed)
+    admission = AdmissionConfig(ttft_ms=slo.ttft_ms or 1000.0, tpot_ms=slo.tpot_ms) if args.admission else None
+    engine = EngineSpec(max_num_seqs=args.max_num_seqs, tpot_slo_ms=slo.tpot_ms or EngineSpec().tpot_slo_ms)
+    fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine,
+                        max_ongoing_requests=args.max_num_seqs, admission=admission)
+    return fleet, load, slo
+
+
+def _label(fleet) -> str:
+    from cluster.sim.acceptance import ACCEPTANCE_MODELS
+    from cluster.sim.profiles import load_profile
+
+    return (f"SIMULATED: cost profile {fleet.profile} ({load_profile(fleet.profile).source}); acceptance model "
+            f"{fleet.acceptance} ({ACCEPTANCE_MODELS[fleet.acceptance].source})")
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from cluster.sim.profiles import profiles
+
+    print(f"{'name':<14} {'K':>3} {'1 req ms':>9} {'64 req ms':>9} {'256 req ms':>10} {'launch ms':>9}  source")
+    for name, p in profiles().items():
+        c = p.cost
+        print(f"{name:<14} {p.k:>3} {c.step_ms(1, 0, 1):>9.2f} {c.step_ms(64, 0, 64):>9.2f} {c.step_ms(256, 0, 256):>10.2f} "
+              f"{c.launch_ms(1):>9.2f}  {p.source[:90]}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from cluster.sim.compare import VARIANTS, simulate_load, variant_fleet
+    from loadtest.report import format_report
+
+    fleet, load, slo = _inputs(args, args.rate)
+    fleet = variant_fleet(fleet, VARIANTS[args.variant], slo)
+    print(_label(fleet))
+    report = simulate_load(fleet, load, slo, seed=args.seed, progress=True)
+    print(format_report(report))
+    _write(args.json, {"simulated": True, "profile": fleet.profile, "acceptance": fleet.acceptance,
+                       "variant": args.variant, "replicas": fleet.replicas, **report.model_dump(mode="json")})
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from cluster.sim.compare import simulate_compare
+
+    fleet, load, slo = _inputs(args, args.start_rate)
+    print(_label(fleet))
+    names = [n.strip() for n in args.variants.split(",")]
+
+    def shown(name, v) -> None:
+        print(f"{name:>10} {v.policy:>7} {v.router:>9} sustainable {v.max_rate:.3g} req/s (crossing {v.crossing_rate:.3g}); "
+              f"per seed {v.max_rates}", flush=True)
+
+    result = simulate_compare(fleet, load, slo, names, args.start_rate, list(range(args.seed, args.seed + args.seeds)), shown)
+    for key, value in result.ratios.items():
+        print(f"{key}: {'-' if value is None else f'{value:.2f}x'}")
+    _write(args.json, result.model_dump(mode="json"))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.sim.compare import VARIANTS, variant_fleet
+    from cluster.sim.fleet import Fleet
+
+    fleet, load, slo = _inputs(args, args.rate)
+    fleet = variant_fleet(fleet, VARIANTS[args.variant], slo)
+    print(_label(fleet))
+    t0 = time.perf_counter()
+    sim = Fleet(fleet, seed=args.seed)
+    rows = sim.run(load, progress=True)
+    wall = time.perf_counter() - t0
+    steps = sum(e.steps for e in sim.engines)
+    out = {"simulated": True, "profile": fleet.profile, "replicas": fleet.replicas, "rate": load.rate,
+           "sim_seconds": load.duration_s, "wall_s": wall, "requests": len(rows), "steps": steps,
+           "sim_requests_per_wall_s": len(rows) / wall, "wall_ms_per_step": 1e3 * wall / max(steps, 1)}
+    print(f"{len(rows)} requests, {steps} engine steps in {wall:.1f} s wall: {out['sim_requests_per_wall_s']:.0f} "
+          f"simulated requests per wall second, {out['wall_ms_per_step']:.3f} ms per engine step")
+    _write(args.json, out)
+    return 0
+
+
+def add_parser(sub) -> None:
+    from cluster.sim.acceptance import ACCEPTANCE_MODELS
+    from cluster.sim.compare import VARIANTS
+
+    def domain_weights(text: str) -> dict[str, float]:
+        try:
+            return {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected e.g. code=1,prose=1, got {text!r}") from None
+
+    def common(p: argparse.ArgumentParser, duration: float) -> None:
+        p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"cost profile (default {DEFAULT_PROFILE}; see `simulate profiles`)")
+        p.add_argument("--acceptance", default="dflash-qwen3-8b", choices=sorted(ACCEPTANCE_MODELS), help="acceptance model")
+        p.add_argument("--replicas", type=int, default=2)
+        p.add_argument("--max-num-seqs", type=int, default=64, help="each engine's batch (and Serve's max_ongoing_requests)")
+        p.add_argument("--admission", action="store_true", help="SLO-aware admission at the ingress (cluster/admission.py)")
+        p.add_argument("--duration", type=float, default=duration, help=f"simulated seconds of arrivals (default {duration:g})")
+        p.add_argument("--drain", type=float, default=60.0, help="simulated seconds requests in flight may run after the arrivals stop")
+        p.add_argument("--slo", metavar="PATH", help="SLO YAML (default loadtest/slo.yaml)")
+        p.add_argument("--ttft-ms", type=float)
+        p.add_argument("--tpot-ms", type=float)
+        p.add_argument("--target", type=float, help="SLO attainment target (0-1)")
+        p.add_argument("--domains", type=domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
+        p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
+        p.add_argument("--shape", choices=("constant", "step", "burst"), default="constant")
+        p.add_argument("--step-s", type=float, default=10.0)
+        p.add_argument("--step-rate", type=float, default=1.0)
+        p.add_argument("--burst-at-s", type=float, default=10.0)
+        p.add_argument("--burst-s", type=float, default=5.0)
+        p.add_argument("--burst-rate", type=float, default=0.0)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", metavar="PATH", help="write the JSON result here")
+
+    sim = sub.add_parser("simulate", help="the fleet simulator: the real WCS controller and router over modelled engines")
+    ss = sim.add_subparsers(dest="simulate", required=True)
+    prof = ss.add_parser("profiles", help="list the cost profiles")
+    prof.set_defaults(func=cmd_profiles)
+    run = ss.add_parser("run", help="one simulated load test at a rate (the load test's report)")
+    run.add_argument("--rate", type=float, required=True)
+    run.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))
+    common(run, 60.0)
+    run.set_defaults(func=cmd_run)
+    cmp_ = ss.add_parser("compare", help="capacity of each variant and their ratios (forespark compare's JSON)")
+    cmp_.add_argument("--variants", default="wcs,dspark,ar,wcs-pow2", help=f"from {','.join(VARIANTS)}")
+    cmp_.add_argument("--start-rate", type=float, default=8.0)
+    cmp_.add_argument("--seeds", type=int, default=1, help="searches per variant, seeds from --seed (medians reported)")
+    common(cmp_, 30.0)
+    cmp_.set_defaults(func=cmd_compare)
+    bench = ss.add_parser("bench", help="simulator speed: simulated requests per wall second")
+    bench.add_argument("--rate", type=float, default=100.0)
+    bench.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))
+    common(bench, 10.0)
+    bench.set_defaults(func=cmd_bench)
+

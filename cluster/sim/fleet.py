@@ -1,0 +1,318 @@
+"""A simulated fleet: arrivals, one ingress with the real routing decision and admission, N simulated engines.
+
+Discrete events on one clock: request arrivals (Poisson, the load test's shapes and domain mix, the
+shipped prompts), engine steps (`SimEngine.step`), and the replicas' routing-stats refresh every
+`stats_period_s` (the router sees stats up to a period old and adds its own in-flight accounting, as
+`cluster/router.py` does). Routers:
+
+- `headroom`: `cluster.route.route` (the router's own score and admission), falling back to power of two
+  before every replica has reported stats;
+- `pow2`: Serve's default, two random replicas, the one with fewer requests in flight;
+- `lor`: least outstanding requests.
+
+A replica takes at most `max_ongoing_requests`; a request no replica can take waits at the ingress and is
+decided again (with the time it waited) whenever a request completes. A refused request is answered 429 at
+once. Each request becomes a `loadtest.report.RequestRow`, so reports are the load test's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from cluster.admission import AdmissionConfig, AdmissionLoop, DrainMeter, estimated_prompt_tokens
+from cluster.placement import FleetArrays
+from cluster.prompt_model import PromptModel
+from cluster.route import route
+from cluster.sim.acceptance import ACCEPTANCE_MODELS, AcceptanceProcess, synthetic_traces
+from cluster.sim.engine import EngineSpec, SimEngine, SimRequest
+from cluster.sim.profiles import DEFAULT_PROFILE, load_profile
+from loadtest.config import Shape
+from loadtest.report import RequestRow
+from loadtest.workload import shipped_prompts
+from replicas.wcs.config import WCSConfig
+from replicas.wcs.controller import StepController
+from scheduling.calibration import PostDraftCalibrator
+from scheduling.estimators import ESTIMATORS
+from scheduling.policies import PolicyName
+from scheduling.survival import hazards_from_survival
+
+RouterName = Literal["headroom", "pow2", "lor"]
+
+
+class FleetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(default=2, ge=1)
+    profile: str = DEFAULT_PROFILE
+    acceptance: str = "dflash-qwen3-8b"
+    policy: PolicyName = PolicyName.WCS
+    router: RouterName = "headroom"
+    online_cost: bool = Field(default=True, description="the engines correct their profiled step cost from measured steps")
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    stats_period_s: float = Field(default=1.0, gt=0)
+    admission: AdmissionConfig | None = Field(default=None, description="None: admission off")
+    chars_per_token: float = Field(default=3.5, gt=0, description="prompt tokens from the shipped prompts' characters")
+
+
+class LoadConfig(BaseModel):
+    """The arrival side, with the load test's meaning (`loadtest/config.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate: float = Field(gt=0)
+    duration_s: float = Field(gt=0)
+    drain_s: float = Field(default=60.0, ge=0)
+    shape: Shape = Field(default_factory=Shape)
+    domains: dict[str, float] = Field(default_factory=lambda: {"code": 1.0, "prose": 1.0})
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int = 0
+
+
+def arrivals(load: LoadConfig, chars_per_token: float) -> Iterator[SimRequest]:
+    """Poisson arrivals at the shape's rate (thinning against its peak), prompts drawn by the domain weights."""
+    rng = random.Random(load.seed)
+    prompts = shipped_prompts()
+    names = [d for d, w in load.domains.items() if w > 0]
+    weights = [load.domains[d] for d in names]
+    grid = np.linspace(0.0, load.duration_s, 1001)
+    peak = max(max(load.shape.rate_at(load.rate, float(t)) for t in grid), load.shape.burst_rate, load.rate)
+    t, n = 0.0, 0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= load.duration_s:
+            return
+        if rng.random() * peak > load.shape.rate_at(load.rate, t):
+            continue
+        domain = rng.choices(names, weights)[0]
+        item = rng.choice(prompts[domain])
+        yield SimRequest(
+            id=f"r{n}",
+            domain=domain,
+            prompt=item["prompt"],
+            prompt_tokens=max(1, round(len(item["prompt"]) / chars_per_token)),
+            max_tokens=load.max_tokens or item["max_tokens"],
+            arrival_s=t,
+        )
+        n += 1
+
+
+def fitted_estimators(config: FleetConfig, k: int, seed: int) -> tuple:
+    """The configured estimator and the post-draft calibrator, fitted on traces drawn from the acceptance model
+    (as a real engine's are fitted on its recorded traces: `replicas.wcs.controller.fit_estimators`)."""
+    model = ACCEPTANCE_MODELS[config.acceptance]
+    traces = synthetic_traces(model, k, {d: 1.0 for d in model.domains}, seed=seed)
+    estimator = ESTIMATORS[WCSConfig().estimator](k).fit(traces)
+    calibrator = PostDraftCalibrator(k)
+    calibrator.fit(traces.confidence, hazards_from_survival(estimator.predict(traces.inputs)), traces.drafted, traces.accepted)
+    return estimator, calibrator
+
+
+def make_controller(config: FleetConfig, k: int, fitted: tuple, seed: int) -> StepController:
+    """The real controller, pricing steps with the profile (its online correction then learns the engine)."""
+    estimator, calibrator = copy.deepcopy(fitted)
+    wcs = WCSConfig(policy=config.policy, seed=seed, online_cost=config.online_cost)
+    profile = load_profile(config.profile)
+    return StepController(wcs, k, estimator, calibrator, cost=profile.cost, token_budget=config.engine.max_num_batched_tokens)
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig, seed: int = 0) -> None:
+        self.config = config
+        profile = load_profile(config.profile)
+        model = ACCEPTANCE_MODELS[config.acceptance]
+        self.acceptance = AcceptanceProcess(model, profile.k, seed)
+        fitted = fitted_estimators(config, profile.k, seed)
+        self.engines = [
+            SimEngine(f"replica-{i}", config.engine, make_controller(config, profile.k, fitted, seed), profile.cost,
+                      profile.context_ms_per_row, self.acceptance, seed=seed * 1000 + i)
+            for i in range(config.replicas)
+        ]
+        shipped = PromptModel.shipped()
+        means = [1.0 + float(np.cumprod(model.domains[d].curve(profile.k)).sum()) if d in model.domains else 1.0 for d in shipped.domains]
+        self.prompt_model = shipped.model_copy(update={"accept_len": means})
+        self.rng = random.Random(seed)
+        self.loop = AdmissionLoop(config.admission) if config.admission and config.admission.enabled else None
+        self.drain = DrainMeter()
+        n = config.replicas
+        self.in_flight = np.zeros(n)
+        self.baseline = np.zeros(n)
+        self.arrays: FleetArrays | None = None
+        self.placed: dict[str, int] = {}
+        self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}
+
+    # -- routing -------------------------------------------------------------------------------------------
+    def _refresh_stats(self, now: float) -> None:
+        stats = [e.routing_stats(now) for e in self.engines]
+        self.arrays = FleetArrays(stats)
+        self.baseline = self.in_flight.copy()
+
+    def _choose(self, r: SimRequest, now: float) -> int | None | Literal["refused"]:
+        """A replica index, None (every replica is full: wait), or "refused"."""
+        cap = self.config.max_ongoing_requests
+        free = self.in_flight < cap
+        if self.loop is not None and self.loop.gate.closed(now):
+            self.decisions["gated"] += 1
+            return "refused"
+        if self.config.router == "lor":
+            return int(np.argmin(self.in_flight)) if free.any() else None
+        if self.config.router == "pow2" or self.arrays is None:
+            if self.config.router != "pow2":
+                self.decisions["fallback"] += 1
+            pair = self.rng.sample(range(len(self.engines)), min(2, len(self.engines)))
+            pick = min(pair, key=lambda i: self.in_flight[i])
+            if free[pick]:
+                return pick
+            return int(np.argmin(self.in_flight)) if free.any() else None
+        admission = self.config.admission if self.loop is not None else None
+        waited_ms = (now - r.arrival_s) * 1000.0
+        decided = route(
+            self.arrays,
+            self.in_flight - self.baseline,
+            self.prompt_model.relative_acceptance({"prompt": r.prompt}),
+            loop=self.loop,
+            config=admission,
+            prompt_tokens=estimated_prompt_tokens(len(r.prompt), admission) if admission else 0.0,
+            drain_rates=self.drain.rates(list(range(len(self.engines))), now) if admission else None,
+            waited_ms=waited_ms,
+            now=now,
+        )
+        if decided.decision is not None and not decided.decision.admit:
+            self.decisions["refused"] += 1
+            if decided.decision.full:
+                self.loop.gate.close(admission.gate_s, decided.decision.retry_after_s, now)
+            return "refused"
+        self.decisions["ranked"] += 1
+        tied = [int(i) for i in decided.order[: decided.tied] if free[i]]
+        if tied:
+            pick = min(tied, key=lambda i: self.in_flight[i])
+        else:
+            rest = [int(i) for i in decided.order[decided.tied :] if free[i]]
+            if not rest:
+                return None
+            pick = rest[0]
+        if self.loop is not None:
+            i = pick
+            r.ticket = self.loop.ticket()
+            correction = decided.correction
+            ttft, tpot = correction.undo(decided.decision.ttft_ms, decided.decision.tpot_ms)
+            self.loop.routed(r.ticket, i, float(ttft[i]), float(tpot[i]), now)
+        return pick
+
+    # -- the run -------------------------------------------------------------------------------------------
+    def run(self, load: LoadConfig, progress: bool = False) -> list[RequestRow]:
+        events: list[tuple[float, int, str, object]] = []
+        seq = itertools.count()
+        for r in arrivals(load, self.config.chars_per_token):
+            r.offset = self.acceptance.request_offset(r.domain) if r.domain in self.acceptance.model.domains else 0.0
+            heapq.heappush(events, (r.arrival_s, next(seq), "arrive", r))
+        heapq.heappush(events, (0.0, next(seq), "stats", None))
+        total = sum(1 for e in events if e[2] == "arrive")
+        stepping = [False] * len(self.engines)
+        waiting: list[SimRequest] = []
+        done: list[SimRequest] = []
+        end = load.duration_s + load.drain_s
+        bar = tqdm(total=total, desc=f"simulate {self.config.policy.value}/{self.config.router}", unit="req", disable=not progress)
+
+        def start(i: int, now: float) -> None:
+            if not stepping[i] and self.engines[i].load:
+                stepping[i] = True
+                heapq.heappush(events, (now, next(seq), "step", i))
+
+        def place(r: SimRequest, now: float) -> bool:
+            choice = self._choose(r, now)
+            if choice is None:
+                return False
+            if choice == "refused":
+                r.status, r.finished_s = 429, now
+                done.append(r)
+                bar.update()
+                return True
+            r.sent_s = now
+            self.placed[r.id] = choice
+            self.in_flight[choice] += 1
+            self.engines[choice].add(r)
+            start(choice, now)
+            return True
+
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            if now > end:
+                break
+            if kind == "arrive":
+                if not place(payload, now):
+                    waiting.append(payload)
+            elif kind == "stats":
+                self._refresh_stats(now)
+                if now + self.config.stats_period_s <= end and (len(done) < total):
+                    heapq.heappush(events, (now + self.config.stats_period_s, next(seq), "stats", None))
+            elif kind == "step":
+                i = payload
+                engine = self.engines[i]
+                result = engine.step(now)
+                if result.duration_s <= 0:
+                    stepping[i] = False
+                    continue
+                heapq.heappush(events, (now + result.duration_s, next(seq), "stepped", (i, result.finished)))
+            elif kind == "stepped":
+                i, finished = payload
+                stepping[i] = False
+                for r in finished:
+                    self.in_flight[i] -= 1
+                    self.drain.completed(i, now)
+                    done.append(r)
+                    bar.update()
+                    if self.loop is not None:
+                        self.loop.gate.open()
+                        if r.ticket is not None:
+                            self.loop.finished(r.ticket, _ttft_ms(r), _tpot_ms(r), now)
+                start(i, now)
+                if finished and waiting:
+                    still = []
+                    for r in waiting:
+                        if not place(r, now):
+                            still.append(r)
+                    waiting = still
+        bar.close()
+        unfinished = [r for e in self.engines for r in (*e.running, *e.waiting)] + waiting
+        return [_row(r) for r in sorted(done + unfinished, key=lambda r: r.arrival_s)]
+
+
+def _ttft_ms(r: SimRequest) -> float | None:
+    return None if r.first_token_s is None else (r.first_token_s - r.arrival_s) * 1000.0
+
+
+def _tpot_ms(r: SimRequest) -> float | None:
+    if r.first_token_s is None or r.finished_s is None or r.generated < 2:
+        return None
+    return (r.finished_s - r.first_token_s) * 1000.0 / (r.generated - 1)
+
+
+def _row(r: SimRequest) -> RequestRow:
+    """The load test's row for a simulated request (one never finished by the end is a 504, as a timeout)."""
+    status = r.status or 504
+    end = r.finished_s if r.finished_s is not None else r.arrival_s
+    return RequestRow(
+        request_id=r.id,
+        domain=r.domain,
+        status=status,
+        scheduled_s=r.arrival_s,
+        lag_ms=0.0,
+        start_s=r.arrival_s,
+        end_s=end,
+        first_token_s=r.first_token_s,
+        prompt_tokens=r.prompt_tokens,
+        output_tokens=r.generated if status == 200 else None,
+        ttft_ms=_ttft_ms(r) if status == 200 else None,
+        tpot_ms=_tpot_ms(r) if status == 200 else None,
+        e2e_ms=(end - r.arrival_s) * 1000.0,
+    )

@@ -1,0 +1,143 @@
+"""The fleet simulator (`cluster/sim/`): determinism, conservation, closed-form checks, and that it runs the
+shipped controller and router code rather than copies of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster.admission import AdmissionConfig
+from cluster.sim import engine as sim_engine, fleet as sim_fleet
+from cluster.sim.acceptance import ACCEPTANCE_MODELS, AcceptanceModel, AcceptanceProcess, DomainAcceptance, synthetic_traces
+from cluster.sim.compare import VARIANTS, simulate_load, variant_fleet
+from cluster.sim.engine import EngineSpec, SimEngine, SimRequest
+from cluster.sim.fleet import Fleet, FleetConfig, LoadConfig, make_controller
+from cluster.sim.profiles import load_profile, profiles
+from loadtest.config import SLOConfig
+from scheduling.cost_model import StepCostModel
+
+SLO = SLOConfig(ttft_ms=1000.0, tpot_ms=30.0)
+
+
+def run(config: FleetConfig, rate: float = 20.0, duration: float = 4.0, seed: int = 0):
+    return Fleet(config, seed=seed).run(LoadConfig(rate=rate, duration_s=duration, max_tokens=32, seed=seed))
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another():
+    config = FleetConfig(replicas=2)
+    a, b, c = run(config), run(config), run(config, seed=1)
+    assert [r.model_dump() for r in a] == [r.model_dump() for r in b]
+    assert [r.e2e_ms for r in a] != [r.e2e_ms for r in c]  # control: the seed matters
+
+
+@pytest.mark.parametrize("variant", ["wcs", "ar", "wcs-pow2", "wcs-lor"])
+def test_every_request_arrives_and_finishes_once(variant):
+    config = variant_fleet(FleetConfig(replicas=3), VARIANTS[variant], SLO)
+    rows = run(config, rate=40.0)
+    ids = [r.request_id for r in rows]
+    assert len(ids) == len(set(ids)) > 100
+    assert all(r.status == 200 and r.output_tokens == 32 for r in rows)
+    assert all(r.ttft_ms is not None and 0 < r.ttft_ms <= r.e2e_ms for r in rows)
+
+
+def test_admission_refuses_past_capacity_and_admitted_requests_keep_their_slo():
+    tight = SLOConfig(ttft_ms=200.0, tpot_ms=12.0)
+    base = FleetConfig(replicas=1, admission=AdmissionConfig(ttft_ms=200.0, tpot_ms=12.0))
+    on = simulate_load(variant_fleet(base, VARIANTS["wcs"], tight), LoadConfig(rate=400.0, duration_s=3.0, max_tokens=32), tight)
+    off = simulate_load(variant_fleet(base.model_copy(update={"admission": None}), VARIANTS["wcs"], tight),
+                        LoadConfig(rate=400.0, duration_s=3.0, max_tokens=32), tight)
+    assert on.errors_by_status.get("429", 0) > 0
+    assert on.met_slo / max(on.succeeded, 1) > off.met_slo / max(off.succeeded, 1)  # control: without it, more miss
+
+
+def test_one_engine_at_constant_cost_and_acceptance_runs_the_closed_form_tokens_per_step():
+    """static at width K with acceptance h at every position: E[tokens per step] = 1 + sum_{j<=K} h^j."""
+    k, h = 4, 0.8
+    model = AcceptanceModel(name="flat", domains={"code": DomainAcceptance(first=h, slope=0.0, request_sd=0.0, step_sd=0.0)},
+                            source="test")
+    cost = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.0, per_draft_ms=0.0, per_target_ms=0.0)
+    config = FleetConfig(policy="static", online_cost=False)
+    ctl = make_controller(config, k, _fitted(model, k), seed=0)
+    ctl.cost = cost
+    engine = SimEngine("e", EngineSpec(noise_sd=0.0), ctl, cost, 0.0, AcceptanceProcess(model, k, seed=3))
+    engine.add(SimRequest(id="a", domain="code", prompt_tokens=8, max_tokens=20_000, arrival_s=0.0))
+    now, steps = 0.0, 0
+    while steps < 4000:
+        now += engine.step(now).duration_s
+        steps += 1
+    request = engine.running[0]
+    tokens_per_step = (request.generated - 1) / (steps - 1)
+    expected = 1.0 + sum(h**j for j in range(1, k + 1))
+    assert abs(tokens_per_step - expected) < 0.05 * expected
+    assert abs(now - steps * 0.010) < 1e-6  # every step cost the constant 10 ms
+
+
+def _fitted(model: AcceptanceModel, k: int):
+    from scheduling.calibration import PostDraftCalibrator
+    from scheduling.estimators import ESTIMATORS
+    from scheduling.survival import hazards_from_survival
+
+    traces = synthetic_traces(model, k, {d: 1.0 for d in model.domains}, requests=50, steps=8)
+    est = ESTIMATORS["context"](k).fit(traces)
+    cal = PostDraftCalibrator(k)
+    cal.fit(traces.confidence, hazards_from_survival(est.predict(traces.inputs)), traces.drafted, traces.accepted)
+    return est, cal
+
+
+def test_the_acceptance_process_reproduces_its_curves_and_domains_differ():
+    model = ACCEPTANCE_MODELS["dflash-qwen3-8b"]
+    k = 7
+    process = AcceptanceProcess(model.model_copy(update={"domains": {
+        d: a.model_copy(update={"request_sd": 0.0, "step_sd": 0.0}) for d, a in model.domains.items()}}), k, seed=0)
+    for domain in ("code", "prose"):
+        draw = process.step([domain] * 20000, np.zeros(20000), np.zeros(20000))
+        expected = np.cumprod(model.domains[domain].curve(k)).sum()
+        assert abs(draw.accept_len.mean() - expected) < 0.03 * expected
+    # DSpark Table 1 (T=1, block 7): HumanEval 4.64 and MT-Bench 3.11 tokens per step
+    assert 1 + np.cumprod(model.domains["code"].curve(k)).sum() == pytest.approx(4.64, rel=0.05)
+    assert 1 + np.cumprod(model.domains["prose"].curve(k)).sum() == pytest.approx(3.11, rel=0.05)
+
+
+def test_the_simulator_runs_the_shipped_controller_and_router():
+    """No second copy: the engine's decisions come from `StepController`, the ingress's from `cluster.route`."""
+    from cluster import route as route_module
+    from replicas.wcs.controller import StepController
+
+    assert sim_engine.StepController is StepController
+    assert sim_fleet.route is route_module.route
+    calls = []
+    original = route_module.route
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    sim_fleet.route = counting
+    try:
+        run(FleetConfig(replicas=2), rate=20.0, duration=2.0)
+    finally:
+        sim_fleet.route = original
+    assert len(calls) > 10
+
+
+def test_speculation_beats_autoregressive_decoding_at_light_load_on_a_gpu_profile():
+    """Where verification is nearly free (an H100 profile), drafting with DFlash-like acceptance cuts TPOT by
+    more than half; the `ar` run is the control."""
+    tpot = {}
+    for name in ("wcs", "ar"):
+        report = simulate_load(variant_fleet(FleetConfig(replicas=1), VARIANTS[name], SLO),
+                               LoadConfig(rate=4.0, duration_s=4.0, max_tokens=64), SLO)
+        tpot[name] = report.tpot_ms.p50
+    assert tpot["wcs"] < 0.5 * tpot["ar"]
+
+
+def test_every_profile_loads_and_prices_steps_monotonically():
+    for name, p in profiles().items():
+        c = p.cost
+        assert c.step_ms(1, 0, 1) < c.step_ms(64, 0, 64) < c.step_ms(256, 0, 256), name
+        assert c.step_ms(8, 8, 16) > c.step_ms(8, 0, 16), name
+    with pytest.raises(ValueError, match="unknown cost profile"):
+        load_profile("tpu-1t")
+    # TP 2 halves the weight read: faster steps than TP 1 on the same GPU
+    assert load_profile("h100-8b-tp2").cost.step_ms(1, 0, 1) < load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1)
+    assert load_profile("h200-8b-tp1").cost.step_ms(1, 0, 1) < load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1)

@@ -141,3 +141,44 @@ def test_every_profile_loads_and_prices_steps_monotonically():
     # TP 2 halves the weight read: faster steps than TP 1 on the same GPU
     assert load_profile("h100-8b-tp2").cost.step_ms(1, 0, 1) < load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1)
     assert load_profile("h200-8b-tp1").cost.step_ms(1, 0, 1) < load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1)
+
+
+def test_the_vllm_adaptive_budget_is_the_shipped_argmax_over_stale_survivals():
+    """vLLM's rule on hand-built inputs: argmax_k (R + top-k stale survivals) / (draft_ms[R] + verify_ms[R + k])."""
+    from cluster.sim.vllm_adaptive import AdaptiveRule
+
+    k = 4
+    cost = StepCostModel.linear(intercept_ms=5.0, per_request_ms=0.0, per_draft_ms=0.1, per_target_ms=0.5)
+    rule = AdaptiveRule(cost, k, max_num_seqs=8, max_tokens=256)
+    draft_ms, verify_ms = rule.manager.cost_tables
+    stale = np.array([[0.9, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5], [0.99, 0.2, 0.9, 0.9]])
+    drafts = np.array([4, 4, 2])
+    survival = np.cumprod(stale, axis=1)
+    scores = np.sort(np.concatenate([survival[i, : drafts[i]] for i in range(3)]))[::-1]
+    gains = np.concatenate([[3.0], 3.0 + np.cumsum(scores)])
+    expected = int(np.argmax(gains / (draft_ms[3] + verify_ms[3 : 3 + len(scores) + 1])))
+    assert rule.budget(stale, drafts, np.ones(3, bool)) == expected
+    assert 0 < expected < drafts.sum()  # control: the case is not trivially all or nothing
+    # The allocation takes the top `budget` slots by the current round's survivals, prefix by prefix.
+    current = np.array([[0.1, 0.1, 0.1, 0.1], [0.95, 0.95, 0.95, 0.95], [0.9, 0.9, 0.9, 0.9]])
+    verify = rule.allocate(current, drafts, 3)
+    assert verify.tolist() == [0, 2, 1]
+
+
+def test_the_vllm_adaptive_controller_budgets_on_the_previous_rounds_confidences():
+    from cluster.sim.vllm_adaptive import VLLMAdaptiveController
+
+    k = 4
+    model = ACCEPTANCE_MODELS["dflash-qwen3-8b"]
+    est, cal = _fitted(model, k)
+    cost = StepCostModel.linear(intercept_ms=5.0, per_request_ms=0.0, per_draft_ms=0.01, per_target_ms=0.3)
+    ctl = VLLMAdaptiveController(k, est, cal, cost, max_num_seqs=8, token_budget=256)
+    ids, width = ["a", "b"], np.array([k, k])
+    features = np.zeros((2, 2))
+    low, high = np.full((2, k), 0.05), np.full((2, k), 0.99)
+    ctl.plan(ids, features, width)
+    first = ctl.verify(low).sum()  # no earlier round: the budget sees survivals of 1.0
+    ctl.observe(ids, np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64))
+    ctl.plan(ids, features, width)
+    second = ctl.verify(high).sum()  # the budget sees the first round's low confidences
+    assert first >= k and second < first

@@ -4,6 +4,7 @@ JSON shape. Every figure they produce is simulated: it carries the cost profile 
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -16,7 +17,7 @@ from scheduling.policies import PolicyName
 
 
 class SimVariant(BaseModel):
-    policy: PolicyName
+    policy: PolicyName | Literal["vllm-adaptive"]
     router: RouterName
     online_cost: bool = True
 
@@ -25,12 +26,13 @@ VARIANTS = {
     "wcs": SimVariant(policy=PolicyName.WCS, router="headroom"),
     "dspark": SimVariant(policy=PolicyName.DSPARK, router="headroom", online_cost=False),
     "ar": SimVariant(policy=PolicyName.AR, router="headroom"),
+    "vllm-adaptive": SimVariant(policy="vllm-adaptive", router="headroom", online_cost=False),
     "static": SimVariant(policy=PolicyName.STATIC, router="headroom"),
     "wcs-pow2": SimVariant(policy=PolicyName.WCS, router="pow2"),
     "wcs-lor": SimVariant(policy=PolicyName.WCS, router="lor"),
 }
 RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "router_vs_pow2": ("wcs", "wcs-pow2"),
-          "router_vs_lor": ("wcs", "wcs-lor")}
+          "router_vs_lor": ("wcs", "wcs-lor"), "wcs_vs_vllm_adaptive": ("wcs", "vllm-adaptive")}
 
 
 def variant_fleet(base: FleetConfig, variant: SimVariant, slo: SLOConfig) -> FleetConfig:
@@ -76,7 +78,7 @@ def simulate_compare(base: FleetConfig, load: LoadConfig, slo: SLOConfig, names:
         rounds = [simulate_capacity(variant_fleet(base, v, slo), load.model_copy(update={"seed": s}), slo, start_rate, seed=s)
                   for s in seeds]
         rates, crossings = [r.max_rate for r in rounds], [r.crossing_rate for r in rounds]
-        results[name] = VariantResult(policy=v.policy.value, router=v.router, capacity=rounds[-1],
+        results[name] = VariantResult(policy=str(v.policy), router=v.router, capacity=rounds[-1],
                                       max_rate=float(np.median(rates)), max_rates=rates,
                                       crossing_rate=float(np.median(crossings)), crossing_rates=crossings)
         if on_result:

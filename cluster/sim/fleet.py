@@ -46,6 +46,7 @@ from scheduling.policies import PolicyName
 from scheduling.survival import hazards_from_survival
 
 RouterName = Literal["headroom", "pow2", "lor"]
+VLLM_ADAPTIVE = "vllm-adaptive"  # vLLM's own adaptive verification (cluster/sim/vllm_adaptive.py)
 
 
 class FleetConfig(BaseModel):
@@ -54,7 +55,7 @@ class FleetConfig(BaseModel):
     replicas: int = Field(default=2, ge=1)
     profile: str = DEFAULT_PROFILE
     acceptance: str = "dflash-qwen3-8b"
-    policy: PolicyName = PolicyName.WCS
+    policy: PolicyName | Literal["vllm-adaptive"] = PolicyName.WCS
     router: RouterName = "headroom"
     online_cost: bool = Field(default=True, description="the engines correct their profiled step cost from measured steps")
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -120,8 +121,13 @@ def fitted_estimators(config: FleetConfig, k: int, seed: int) -> tuple:
 def make_controller(config: FleetConfig, k: int, fitted: tuple, seed: int) -> StepController:
     """The real controller, pricing steps with the profile (its online correction then learns the engine)."""
     estimator, calibrator = copy.deepcopy(fitted)
-    wcs = WCSConfig(policy=config.policy, seed=seed, online_cost=config.online_cost)
     profile = load_profile(config.profile)
+    if config.policy == VLLM_ADAPTIVE:
+        from cluster.sim.vllm_adaptive import VLLMAdaptiveController
+
+        return VLLMAdaptiveController(k, estimator, calibrator, profile.cost, config.engine.max_num_seqs,
+                                      config.engine.max_num_batched_tokens, seed)
+    wcs = WCSConfig(policy=config.policy, seed=seed, online_cost=config.online_cost)
     return StepController(wcs, k, estimator, calibrator, cost=profile.cost, token_budget=config.engine.max_num_batched_tokens)
 
 
@@ -221,7 +227,7 @@ class Fleet:
         waiting: list[SimRequest] = []
         done: list[SimRequest] = []
         end = load.duration_s + load.drain_s
-        bar = tqdm(total=total, desc=f"simulate {self.config.policy.value}/{self.config.router}", unit="req", disable=not progress)
+        bar = tqdm(total=total, desc=f"simulate {self.config.policy}/{self.config.router}", unit="req", disable=not progress)
 
         def start(i: int, now: float) -> None:
             if not stepping[i] and self.engines[i].load:

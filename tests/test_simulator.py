@@ -182,3 +182,23 @@ def test_the_vllm_adaptive_controller_budgets_on_the_previous_rounds_confidences
     ctl.plan(ids, features, width)
     second = ctl.verify(high).sum()  # the budget sees the first round's low confidences
     assert first >= k and second < first
+
+
+def test_keyed_draws_are_uniform_and_common_to_every_policy():
+    from scipy import stats
+
+    from cluster.sim.acceptance import keyed_normals, keyed_uniforms
+
+    req, pos = np.arange(5000), np.arange(5000) % 97
+    u = keyed_uniforms(3, req, pos, 4)
+    assert stats.kstest(u.ravel(), "uniform").pvalue > 0.01
+    assert stats.kstest(keyed_normals(3, req, pos, 2).ravel(), "norm").pvalue > 0.01
+    assert np.array_equal(u, keyed_uniforms(3, req, pos, 4))  # the same key, the same draws
+    assert not np.allclose(u, keyed_uniforms(4, req, pos, 4))  # control: another seed, other draws
+    # Two policies drafting differently meet the same accepted lengths where they draft at the same point.
+    model = ACCEPTANCE_MODELS["dflash-qwen3-8b"]
+    a, b = AcceptanceProcess(model, 8, seed=1), AcceptanceProcess(model, 8, seed=1)
+    first = a.step(["code", "prose"], np.zeros(2), np.array([5, 9]), np.array([10, 11]))
+    b.step(["code"], np.zeros(1), np.array([7]), np.array([10]))  # another policy's draws in between
+    again = b.step(["code", "prose"], np.zeros(2), np.array([5, 9]), np.array([10, 11]))
+    assert np.array_equal(first.accept_len, again.accept_len) and np.allclose(first.features, again.features)

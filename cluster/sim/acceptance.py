@@ -77,10 +77,37 @@ class StepDraw:
     confidence: np.ndarray  # (B, K) the drafter's confidences
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a well-spread 64-bit hash of each element."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_uniforms(seed: int, request: np.ndarray, position: np.ndarray, n: int) -> np.ndarray:
+    """(B, n) uniforms in (0, 1) that depend only on (seed, request, position): every policy simulated with a
+    seed meets the same acceptance at the same point of the same request (common random numbers), however
+    differently it drafts."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.uint64(seed) * _GOLDEN + _mix(np.asarray(request, dtype=np.uint64) + _GOLDEN)
+                    + _mix(np.asarray(position, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)))
+        x = _mix(base[:, None] + (np.arange(1, n + 1, dtype=np.uint64) * _GOLDEN)[None, :])
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def keyed_normals(seed: int, request: np.ndarray, position: np.ndarray, n: int) -> np.ndarray:
+    u = keyed_uniforms(seed, request, position, 2 * n)
+    return np.sqrt(-2.0 * np.log(u[:, :n])) * np.cos(2.0 * np.pi * u[:, n:])
+
+
 class AcceptanceProcess:
+    """Draws keyed by (seed, request, output position): see `keyed_uniforms`."""
+
     def __init__(self, model: AcceptanceModel, k: int, seed: int = 0) -> None:
-        self.model, self.k = model, k
-        self.rng = np.random.default_rng(seed)
+        self.model, self.k, self.seed = model, k, seed
         self._curves = {d: logit(a.curve(k)) for d, a in model.domains.items()}
 
     def domain(self, name: str) -> DomainAcceptance:
@@ -88,19 +115,23 @@ class AcceptanceProcess:
             raise ValueError(f"acceptance model {self.model.name} has no domain {name!r}; it has {sorted(self.model.domains)}")
         return self.model.domains[name]
 
-    def request_offset(self, domain: str) -> float:
-        return float(self.rng.normal(0.0, self.domain(domain).request_sd))
+    def request_offset(self, domain: str, request: int) -> float:
+        z = keyed_normals(self.seed, np.array([request]), np.array([2**40]), 1)[0, 0]
+        return float(z * self.domain(domain).request_sd)
 
-    def step(self, domains: list[str], offsets: np.ndarray, generated: np.ndarray) -> StepDraw:
-        b, k, rng, m = len(domains), self.k, self.rng, self.model
+    def step(self, domains: list[str], offsets: np.ndarray, generated: np.ndarray, requests: np.ndarray | None = None) -> StepDraw:
+        """One drafting step of a batch; `requests` (B,) are the requests' keys (default 0..B-1)."""
+        b, k, m = len(domains), self.k, self.model
+        keys = np.arange(b) if requests is None else np.asarray(requests)
+        normals = keyed_normals(self.seed, keys, np.asarray(generated), 2 + k)
+        uniforms = keyed_uniforms(self.seed + 1, keys, np.asarray(generated), k)
         step_sd = np.array([self.domain(d).step_sd for d in domains])
-        z = np.asarray(offsets, dtype=np.float64) + rng.normal(0.0, 1.0, b) * step_sd
+        z = np.asarray(offsets, dtype=np.float64) + normals[:, 0] * step_sd
         base = np.stack([self._curves[d] for d in domains]) if b else np.zeros((0, k))
         hazards = sigmoid(base + z[:, None])
-        accepted = rng.random((b, k)) < hazards
-        accept_len = np.cumprod(accepted, axis=1).sum(axis=1).astype(np.int64)
-        features = np.column_stack([z + rng.normal(0.0, m.feature_sd, b), np.log1p(np.asarray(generated, dtype=np.float64))])
-        confidence = sigmoid(logit(np.clip(hazards, 1e-4, 1 - 1e-4)) + rng.normal(0.0, m.confidence_sd, (b, k)))
+        accept_len = np.cumprod(uniforms < hazards, axis=1).sum(axis=1).astype(np.int64)
+        features = np.column_stack([z + normals[:, 1] * m.feature_sd, np.log1p(np.asarray(generated, dtype=np.float64))])
+        confidence = sigmoid(logit(np.clip(hazards, 1e-4, 1 - 1e-4)) + normals[:, 2:] * m.confidence_sd)
         return StepDraw(features, hazards, accept_len, confidence)
 
 
@@ -108,18 +139,18 @@ def synthetic_traces(model: AcceptanceModel, k: int, domains: dict[str, float], 
                      seed: int = 0) -> Traces:
     """Full-width trace rows drawn from `model` (what `forespark models traces` records from a real engine):
     `requests` requests of the weighted `domains`, `steps` drafting steps each."""
-    process = AcceptanceProcess(model, k, seed)
+    process = AcceptanceProcess(model, k, seed + 7919)  # keyed apart from the simulated requests' draws
     names = [d for d, w in domains.items() if w > 0]
     weights = np.array([domains[d] for d in names], dtype=np.float64)
     rng = np.random.default_rng(seed + 1)
     picked = [names[i] for i in rng.choice(len(names), requests, p=weights / weights.sum())]
-    offsets = np.array([process.request_offset(d) for d in picked])
+    offsets = np.array([process.request_offset(d, i) for i, d in enumerate(picked)])
     history = AcceptanceHistory()
     ids = np.arange(requests)
     rows: list[tuple] = []
     generated = np.zeros(requests)
     for _ in range(steps):
-        draw = process.step(picked, offsets, generated)
+        draw = process.step(picked, offsets, generated, ids)
         rows.append((draw.features, history.rates(ids), draw.accept_len, draw.confidence))
         history.observe(ids, np.full(requests, k), draw.accept_len)
         generated += draw.accept_len + 1

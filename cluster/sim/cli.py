@@ -3,6 +3,7 @@
     forespark simulate profiles                    the cost profiles by name
     forespark simulate run --rate R [--json P]     one simulated load test: the load test's report
     forespark simulate compare [--json P]          capacity per variant, ratios as `forespark compare` writes them
+    forespark simulate sweep [--json P]            throughput at matched per-request rate over concurrency
     forespark simulate bench [--json P]            simulated requests per wall second at a fleet size
 """
 
@@ -94,6 +95,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from cluster.sim.sweep import simulate_sweep
+
+    fleet, _, _ = _inputs(args, 1.0)
+    print(_label(fleet))
+    names = [n.strip() for n in args.variants.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+
+    def shown(r) -> None:
+        print(f"{r.policy:>14} c={r.concurrency:<4} {r.tokens_per_s:>9.0f} tok/s per replica, {r.per_request_rate:>7.1f} tok/s "
+              f"per request, accepted length {r.mean_accepted_length:.2f}, draft waste {r.draft_waste:.0%}", flush=True)
+
+    result = simulate_sweep(fleet, names, concurrency, args.duration, args.seed, shown)
+    for key, value in result.ratios.items():
+        rate = result.matched_rate[key]
+        print(f"{key}: {'-' if value is None else f'{value:.2f}x'} at {'-' if rate is None else f'{rate:.0f}'} tok/s per request")
+    print("wcs over the best other, per concurrency: " + ", ".join(
+        f"{c}: {'-' if v is None else f'{v:.2f}'}" for c, v in result.wcs_vs_best.items()))
+    _write(args.json, result.model_dump(mode="json"))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from cluster.sim.compare import VARIANTS, variant_fleet
     from cluster.sim.fleet import Fleet
@@ -163,6 +186,11 @@ def add_parser(sub) -> None:
     cmp_.add_argument("--seeds", type=int, default=1, help="searches per variant, seeds from --seed (medians reported)")
     common(cmp_, 30.0)
     cmp_.set_defaults(func=cmd_compare)
+    sweep = ss.add_parser("sweep", help="throughput per replica over concurrency, wcs against the others at matched per-request rate")
+    sweep.add_argument("--variants", default="wcs,dspark,vllm-adaptive,ar", help=f"from {','.join(VARIANTS)}")
+    sweep.add_argument("--concurrency", default="1,4,16,64,256", help="requests in flight per replica")
+    common(sweep, 10.0)
+    sweep.set_defaults(func=cmd_sweep, replicas=1, max_num_seqs=256)
     bench = ss.add_parser("bench", help="simulator speed: simulated requests per wall second")
     bench.add_argument("--rate", type=float, default=100.0)
     bench.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))

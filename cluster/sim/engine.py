@@ -47,6 +47,7 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     arrival_s: float
+    key: int = 0  # its draws' key (`AcceptanceProcess`): the same request meets the same acceptance under every policy
     offset: float = 0.0  # its acceptance offset (`AcceptanceProcess.request_offset`)
     prompt: str = ""
     ticket: int | None = None
@@ -84,7 +85,7 @@ class SimEngine:
         self.name, self.spec, self.ctl, self.true_cost = name, spec, controller, true_cost
         self.context_ms_per_row = context_ms_per_row
         self.acceptance = acceptance
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)  # step-time noise
         self.k = controller.k
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -93,6 +94,7 @@ class SimEngine:
         self.decode_s = 0.0  # realised decoding, as vLLM's stat logger totals it (`LatestSchedulerStats`)
         self.decode_tokens = 0
         self.steps = 0
+        self.emitted = 0  # tokens emitted so far
         self._stats_before: tuple[dict, tuple[float, int]] | None = None
         self._mix = StepMix()
 
@@ -185,7 +187,8 @@ class SimEngine:
         elif ctl.holds_no_drafts():
             draft = ctl.plan(ids, None, max_width, generated=generated)
         else:
-            draw = self.acceptance.step([r.domain for r in batch], np.array([r.offset for r in batch]), generated)
+            draw = self.acceptance.step([r.domain for r in batch], np.array([r.offset for r in batch]), generated,
+                                        np.array([r.key for r in batch]))
             draft = ctl.plan(ids, draw.features, max_width, generated=generated, context_rows=self.pending_rows)
         drafted = int(np.sum(draft))
         target = sum(tokens.values())
@@ -214,6 +217,7 @@ class SimEngine:
                     self.decode_s += period_ms / 1e3
                     self.decode_tokens += int(emitted[i])
                 r.generated += int(emitted[i])
+                self.emitted += int(emitted[i])
                 r.kv_tokens += int(emitted[i]) if not prefilling[i] else 0
             r.verify = int(verify[i])
             r.accept_len = int(draw.accept_len[i]) if draw is not None and verify[i] else 0

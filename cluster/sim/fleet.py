@@ -77,34 +77,47 @@ class LoadConfig(BaseModel):
     domains: dict[str, float] = Field(default_factory=lambda: {"code": 1.0, "prose": 1.0})
     max_tokens: int | None = Field(default=None, ge=1)
     seed: int = 0
+    arrivals: Literal["poisson", "closed"] = Field(
+        default="poisson", description="poisson: open loop at `rate`; closed: `users` requests always in flight"
+    )
+    users: int = Field(default=1, ge=1, description="closed loop: requests kept in flight across the fleet")
+
+
+def prompts(load: LoadConfig, chars_per_token: float, rng: random.Random) -> Iterator[SimRequest]:
+    """Requests with the shipped prompts, drawn by the domain weights (arrival times set by the caller)."""
+    shipped = shipped_prompts()
+    names = [d for d, w in load.domains.items() if w > 0]
+    weights = [load.domains[d] for d in names]
+    for n in itertools.count():
+        domain = rng.choices(names, weights)[0]
+        item = rng.choice(shipped[domain])
+        yield SimRequest(
+            id=f"r{n}",
+            key=n,
+            domain=domain,
+            prompt=item["prompt"],
+            prompt_tokens=max(1, round(len(item["prompt"]) / chars_per_token)),
+            max_tokens=load.max_tokens or item["max_tokens"],
+            arrival_s=0.0,
+        )
 
 
 def arrivals(load: LoadConfig, chars_per_token: float) -> Iterator[SimRequest]:
-    """Poisson arrivals at the shape's rate (thinning against its peak), prompts drawn by the domain weights."""
+    """Poisson arrivals at the shape's rate (thinning against its peak)."""
     rng = random.Random(load.seed)
-    prompts = shipped_prompts()
-    names = [d for d, w in load.domains.items() if w > 0]
-    weights = [load.domains[d] for d in names]
+    stream = prompts(load, chars_per_token, rng)
     grid = np.linspace(0.0, load.duration_s, 1001)
     peak = max(max(load.shape.rate_at(load.rate, float(t)) for t in grid), load.shape.burst_rate, load.rate)
-    t, n = 0.0, 0
+    t = 0.0
     while True:
         t += rng.expovariate(peak)
         if t >= load.duration_s:
             return
         if rng.random() * peak > load.shape.rate_at(load.rate, t):
             continue
-        domain = rng.choices(names, weights)[0]
-        item = rng.choice(prompts[domain])
-        yield SimRequest(
-            id=f"r{n}",
-            domain=domain,
-            prompt=item["prompt"],
-            prompt_tokens=max(1, round(len(item["prompt"]) / chars_per_token)),
-            max_tokens=load.max_tokens or item["max_tokens"],
-            arrival_s=t,
-        )
-        n += 1
+        r = next(stream)
+        r.arrival_s = t
+        yield r
 
 
 def fitted_estimators(config: FleetConfig, k: int, seed: int) -> tuple:
@@ -155,6 +168,7 @@ class Fleet:
         self.arrays: FleetArrays | None = None
         self.placed: dict[str, int] = {}
         self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}
+        self.emitted_by_end = 0
 
     # -- routing -------------------------------------------------------------------------------------------
     def _refresh_stats(self, now: float) -> None:
@@ -215,14 +229,28 @@ class Fleet:
         return pick
 
     # -- the run -------------------------------------------------------------------------------------------
-    def run(self, load: LoadConfig, progress: bool = False) -> list[RequestRow]:
+    def run(self, load: LoadConfig, progress: bool = False, requests: list[SimRequest] | None = None) -> list[RequestRow]:
+        """Simulate `load` (or replay `requests`, with their own arrival times and lengths); `emitted_by_end`
+        holds the tokens the fleet emitted within the arrival window."""
         events: list[tuple[float, int, str, object]] = []
         seq = itertools.count()
-        for r in arrivals(load, self.config.chars_per_token):
-            r.offset = self.acceptance.request_offset(r.domain) if r.domain in self.acceptance.model.domains else 0.0
-            heapq.heappush(events, (r.arrival_s, next(seq), "arrive", r))
+        closed = load.arrivals == "closed" and requests is None
+        stream = prompts(load, self.config.chars_per_token, random.Random(load.seed)) if closed else None
+
+        def arrive(r: SimRequest, t: float) -> None:
+            r.arrival_s = t
+            r.offset = self.acceptance.request_offset(r.domain, r.key) if r.domain in self.acceptance.model.domains else 0.0
+            heapq.heappush(events, (t, next(seq), "arrive", r))
+
+        if closed:
+            for _ in range(load.users):
+                arrive(next(stream), 0.0)
+        else:
+            for r in requests if requests is not None else arrivals(load, self.config.chars_per_token):
+                arrive(r, r.arrival_s)
         heapq.heappush(events, (0.0, next(seq), "stats", None))
-        total = sum(1 for e in events if e[2] == "arrive")
+        heapq.heappush(events, (load.duration_s, next(seq), "mark", None))
+        total = load.users if closed else sum(1 for e in events if e[2] == "arrive")
         stepping = [False] * len(self.engines)
         waiting: list[SimRequest] = []
         done: list[SimRequest] = []
@@ -257,9 +285,11 @@ class Fleet:
             if kind == "arrive":
                 if not place(payload, now):
                     waiting.append(payload)
+            elif kind == "mark":
+                self.emitted_by_end = sum(e.emitted for e in self.engines)
             elif kind == "stats":
                 self._refresh_stats(now)
-                if now + self.config.stats_period_s <= end and (len(done) < total):
+                if now + self.config.stats_period_s <= end and (closed or len(done) < total):
                     heapq.heappush(events, (now + self.config.stats_period_s, next(seq), "stats", None))
             elif kind == "step":
                 i = payload
@@ -277,6 +307,9 @@ class Fleet:
                     self.drain.completed(i, now)
                     done.append(r)
                     bar.update()
+                    if closed and now < load.duration_s:
+                        arrive(next(stream), now)
+                        bar.total += 1
                     if self.loop is not None:
                         self.loop.gate.open()
                         if r.ticket is not None:

@@ -202,3 +202,36 @@ def test_keyed_draws_are_uniform_and_common_to_every_policy():
     b.step(["code"], np.zeros(1), np.array([7]), np.array([10]))  # another policy's draws in between
     again = b.step(["code", "prose"], np.zeros(2), np.array([5, 9]), np.array([10, 11]))
     assert np.array_equal(first.accept_len, again.accept_len) and np.allclose(first.features, again.features)
+
+
+def test_validation_fits_a_known_host_overhead_back_and_errors_are_relative():
+    """Rows from a simulated 'real' fleet whose host spends 2 ms of CPU per token: the fit finds about that,
+    and the fitted simulator then reproduces the rows' TPOT; an unfitted one (the control) does not."""
+    from cluster.sim.fleet import HostModel
+    from cluster.sim.validate import fit_host, metrics, relative_errors, simulate_rows
+    from loadtest.config import LoadTestConfig
+    from loadtest.report import build_report
+    from replicas.models.build import WEIGHTS_DIR
+
+    base = FleetConfig(replicas=2, profile="cpu-embedded", traces=WEIGHTS_DIR / "traces.npz")
+    truth = base.model_copy(update={"host": HostModel(cores=2.0, token_cpu_ms=2.0), "request_ms": 30.0})
+    load = LoadTestConfig(url="http://x", rate=8.0, duration_s=6.0, drain_s=30.0, max_tokens=48, seed=5)
+    real_rows = Fleet(variant_fleet(truth, VARIANTS["wcs"], SLO), seed=5).run(
+        LoadConfig(rate=8.0, duration_s=6.0, drain_s=30.0, max_tokens=48, seed=5))
+    real = metrics(build_report(real_rows, SLO, 8.0, 6.0))
+    fit = fit_host(base, real_rows, load, SLO, seed=5, policy="wcs")
+    assert fit.token_cpu_ms == pytest.approx(2.0, abs=0.6)
+    assert fit.request_ms == pytest.approx(30.0, abs=10.0)
+    fitted = base.model_copy(update={"host": HostModel(cores=fit.cores, token_cpu_ms=fit.token_cpu_ms), "request_ms": fit.request_ms})
+    good = relative_errors(real, metrics(simulate_rows(variant_fleet(fitted, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
+    bad = relative_errors(real, metrics(simulate_rows(variant_fleet(base, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
+    assert good["tpot_p50"] < 0.1 < bad["tpot_p50"]
+
+
+def test_ordering_matches_only_where_the_real_runs_order_clearly():
+    from cluster.sim.validate import ordering_matches
+
+    real = {"wcs": 20.0, "dspark": 18.0, "ar": 20.4}  # wcs and ar tie (within 5%); dspark is clearly lowest
+    assert ordering_matches(real, {"wcs": 30.0, "dspark": 10.0, "ar": 25.0})
+    assert ordering_matches(real, {"wcs": 25.0, "dspark": 10.0, "ar": 30.0})
+    assert not ordering_matches(real, {"wcs": 30.0, "dspark": 40.0, "ar": 25.0})  # control: dspark above

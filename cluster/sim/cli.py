@@ -5,6 +5,7 @@
     forespark simulate compare [--json P]          capacity per variant, ratios as `forespark compare` writes them
     forespark simulate sweep [--json P]            throughput at matched per-request rate over concurrency
     forespark simulate bench [--json P]            simulated requests per wall second at a fleet size
+    forespark simulate validate [--json P]         the real CPU deployment against the simulator, same arrivals
 """
 
 from __future__ import annotations
@@ -138,6 +139,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from cluster.sim.validate import validate
+    from loadtest.config import LoadTestConfig, SLOConfig
+
+    slo = SLOConfig.load(args.slo)
+    given = {k: v for k, v in (("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("attainment_target", args.target)) if v is not None}
+    slo = SLOConfig.model_validate({**slo.model_dump(), **given})
+    load = LoadTestConfig(url="http://127.0.0.1", rate=1.0, duration_s=args.duration, drain_s=args.drain, domains=args.domains,
+                          max_tokens=args.max_tokens, seed=args.seed, processes=args.processes)
+    rates = [float(r) for r in args.rates.split(",")]
+    policies = [p.strip() for p in args.policies.split(",")]
+    result = validate(policies, rates, load, slo, replicas=args.replicas, port=args.port, seed=args.seed,
+                      real_compare=Path(args.real_compare) if args.real_compare else None, calibration_rate=args.calibration_rate)
+    print("median relative error: " + ", ".join(f"{k} {'-' if v is None else f'{v:.1%}'}" for k, v in result.median_error.items()))
+    if result.ordering_matches is not None:
+        print(f"sustainable-rate ordering (crossing rates) real {result.ordering['real']}, simulated {result.ordering['sim']}: "
+              f"{'matches' if result.ordering_matches else 'DOES NOT match'}")
+    _write(args.json, result.model_dump(mode="json"))
+    return 0
+
+
 def add_parser(sub) -> None:
     from cluster.sim.acceptance import ACCEPTANCE_MODELS
     from cluster.sim.compare import VARIANTS
@@ -191,6 +213,26 @@ def add_parser(sub) -> None:
     sweep.add_argument("--concurrency", default="1,4,16,64,256", help="requests in flight per replica")
     common(sweep, 10.0)
     sweep.set_defaults(func=cmd_sweep, replicas=1, max_num_seqs=256)
+    val = ss.add_parser("validate", help="run the real CPU deployment and the simulator on the same arrivals; report the errors")
+    val.add_argument("--policies", default="wcs,dspark,ar")
+    val.add_argument("--rates", default="2,5,8", help="request rates, light load to past the knee (req/s)")
+    val.add_argument("--replicas", type=int, default=2)
+    val.add_argument("--duration", type=float, default=30.0)
+    val.add_argument("--drain", type=float, default=60.0)
+    val.add_argument("--domains", type=domain_weights, default={"code": 1.0, "prose": 1.0})
+    val.add_argument("--max-tokens", type=int, default=None)
+    val.add_argument("--processes", type=int, default=1, help="Locust worker processes")
+    val.add_argument("--slo", metavar="PATH")
+    val.add_argument("--ttft-ms", type=float)
+    val.add_argument("--tpot-ms", type=float)
+    val.add_argument("--target", type=float)
+    val.add_argument("--seed", type=int, default=0)
+    val.add_argument("--port", type=int, default=8100, help="the real servers' port")
+    val.add_argument("--calibration-rate", type=float, default=None, help="the real run the host overheads are fitted on "
+                     "(the first policy, another seed; default the middle rate)")
+    val.add_argument("--real-compare", metavar="PATH", help="a `forespark compare` JSON whose policy ordering the simulator must match")
+    val.add_argument("--json", metavar="PATH")
+    val.set_defaults(func=cmd_validate)
     bench = ss.add_parser("bench", help="simulator speed: simulated requests per wall second")
     bench.add_argument("--rate", type=float, default=100.0)
     bench.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))

@@ -38,6 +38,8 @@ class EngineSpec(BaseModel):
     block_size: int = Field(default=16, ge=1, description="tokens per KV block")
     noise_sd: float = Field(default=0.03, ge=0, description="lognormal step-time noise")
     tpot_slo_ms: float = Field(default=20.0, gt=0, description="the replica's TPOT SLO (its routing stats' cap)")
+    host_step_ms: float = Field(default=0.0, ge=0, description="what the host adds to each step beyond the profiled engine "
+                                "(the replica's output streaming, other processes on its CPUs; `simulate validate` fits it)")
 
 
 @dataclass
@@ -154,8 +156,9 @@ class SimEngine:
             budget -= want
         return tokens
 
-    def step(self, now: float) -> StepResult:
-        """Run one step from `now`; the caller schedules the next at `now + duration_s`."""
+    def step(self, now: float, speed: float = 1.0) -> StepResult:
+        """Run one step from `now` at `speed` (the share of a CPU the host leaves the engine, `HostModel`); the
+        caller schedules the next at `now + duration_s`."""
         tokens = self._schedule()
         batch = [r for r in self.running if r.id in tokens]
         if not batch:
@@ -204,7 +207,7 @@ class SimEngine:
             if ctl.needs_drafter():
                 self.pending_rows += target
         noise = math.exp(self.rng.normal(0.0, self.spec.noise_sd)) if self.spec.noise_sd else 1.0
-        period_ms = (self.true_cost.step_ms(n, drafted, target) + context_ms) * noise
+        period_ms = (self.true_cost.step_ms(n, drafted, target) + context_ms) * noise / speed + self.spec.host_step_ms
         planned = n + int(verified.sum())
         ctl.observe_step(n, drafted, planned, period_ms, target - planned, context_rows, context_ms)
         end = now + period_ms / 1e3

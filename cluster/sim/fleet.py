@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 import itertools
 import random
+from pathlib import Path
 from collections.abc import Iterator
 from typing import Literal
 
@@ -35,11 +37,12 @@ from cluster.route import route
 from cluster.sim.acceptance import ACCEPTANCE_MODELS, AcceptanceProcess, synthetic_traces
 from cluster.sim.engine import EngineSpec, SimEngine, SimRequest
 from cluster.sim.profiles import DEFAULT_PROFILE, load_profile
+from cluster.sim.replay import TraceReplay
 from loadtest.config import Shape
 from loadtest.report import RequestRow
 from loadtest.workload import shipped_prompts
 from replicas.wcs.config import WCSConfig
-from replicas.wcs.controller import StepController
+from replicas.wcs.controller import StepController, fit_estimators
 from scheduling.calibration import PostDraftCalibrator
 from scheduling.estimators import ESTIMATORS
 from scheduling.policies import PolicyName
@@ -49,12 +52,28 @@ RouterName = Literal["headroom", "pow2", "lor"]
 VLLM_ADAPTIVE = "vllm-adaptive"  # vLLM's own adaptive verification (cluster/sim/vllm_adaptive.py)
 
 
+class HostModel(BaseModel):
+    """Engines that share their host's CPUs with the serving path (CPU replicas): each emitted token costs the
+    replica's output processing, the ingress's relay, the proxy and the load generator `token_cpu_ms` of CPU
+    on the same cores, and the busy engines share what is left. A GPU replica's engine does not share: no
+    host model."""
+
+    cores: float = Field(gt=0, description="CPUs the engines and the serving path share")
+    token_cpu_ms: float = Field(default=0.0, ge=0, description="serving-path CPU per emitted token")
+    window_s: float = Field(default=1.0, gt=0, description="the token rate is averaged over about this long")
+
+    def speed(self, busy_engines: int, tokens_per_s: float) -> float:
+        left = max(self.cores - tokens_per_s * self.token_cpu_ms / 1000.0, 0.1 * self.cores)
+        return min(1.0, left / max(busy_engines, 1))
+
+
 class FleetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(default=2, ge=1)
     profile: str = DEFAULT_PROFILE
     acceptance: str = "dflash-qwen3-8b"
+    traces: Path | None = Field(default=None, description="replay these recorded traces instead (cluster/sim/replay.py)")
     policy: PolicyName | Literal["vllm-adaptive"] = PolicyName.WCS
     router: RouterName = "headroom"
     online_cost: bool = Field(default=True, description="the engines correct their profiled step cost from measured steps")
@@ -63,6 +82,9 @@ class FleetConfig(BaseModel):
     stats_period_s: float = Field(default=1.0, gt=0)
     admission: AdmissionConfig | None = Field(default=None, description="None: admission off")
     chars_per_token: float = Field(default=3.5, gt=0, description="prompt tokens from the shipped prompts' characters")
+    request_ms: float = Field(default=0.0, ge=0, description="what the HTTP path adds to a request's TTFT (proxy, ingress, "
+                              "tokenizing, the first chunk's way back; `simulate validate` fits it)")
+    host: HostModel | None = Field(default=None, description="engines sharing the host's CPUs (None: each has its own)")
 
 
 class LoadConfig(BaseModel):
@@ -122,7 +144,10 @@ def arrivals(load: LoadConfig, chars_per_token: float) -> Iterator[SimRequest]:
 
 def fitted_estimators(config: FleetConfig, k: int, seed: int) -> tuple:
     """The configured estimator and the post-draft calibrator, fitted on traces drawn from the acceptance model
-    (as a real engine's are fitted on its recorded traces: `replicas.wcs.controller.fit_estimators`)."""
+    (as a real engine's are fitted on its recorded traces), or on the replayed traces by the engine's own
+    `replicas.wcs.controller.fit_estimators`."""
+    if config.traces is not None:
+        return fit_estimators(WCSConfig(traces=config.traces), k)
     model = ACCEPTANCE_MODELS[config.acceptance]
     traces = synthetic_traces(model, k, {d: 1.0 for d in model.domains}, seed=seed)
     estimator = ESTIMATORS[WCSConfig().estimator](k).fit(traces)
@@ -148,17 +173,25 @@ class Fleet:
     def __init__(self, config: FleetConfig, seed: int = 0) -> None:
         self.config = config
         profile = load_profile(config.profile)
-        model = ACCEPTANCE_MODELS[config.acceptance]
-        self.acceptance = AcceptanceProcess(model, profile.k, seed)
+        if config.traces is not None:
+            self.acceptance = TraceReplay(config.traces, seed)
+            if self.acceptance.k != profile.k:
+                raise ValueError(f"traces at {config.traces} have K={self.acceptance.k}; profile {profile.name} drafts K={profile.k}")
+        else:
+            self.acceptance = AcceptanceProcess(ACCEPTANCE_MODELS[config.acceptance], profile.k, seed)
         fitted = fitted_estimators(config, profile.k, seed)
         self.engines = [
             SimEngine(f"replica-{i}", config.engine, make_controller(config, profile.k, fitted, seed), profile.cost,
                       profile.context_ms_per_row, self.acceptance, seed=seed * 1000 + i)
             for i in range(config.replicas)
         ]
-        shipped = PromptModel.shipped()
-        means = [1.0 + float(np.cumprod(model.domains[d].curve(profile.k)).sum()) if d in model.domains else 1.0 for d in shipped.domains]
-        self.prompt_model = shipped.model_copy(update={"accept_len": means})
+        shipped = PromptModel.shipped()  # the router's own, fitted on the embedded pair
+        if config.traces is None:  # the acceptance model's domains, not the embedded pair's
+            model = ACCEPTANCE_MODELS[config.acceptance]
+            means = [1.0 + float(np.cumprod(model.domains[d].curve(profile.k)).sum()) if d in model.domains else 1.0
+                     for d in shipped.domains]
+            shipped = shipped.model_copy(update={"accept_len": means})
+        self.prompt_model = shipped
         self.rng = random.Random(seed)
         self.loop = AdmissionLoop(config.admission) if config.admission and config.admission.enabled else None
         self.drain = DrainMeter()
@@ -169,6 +202,7 @@ class Fleet:
         self.placed: dict[str, int] = {}
         self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}
         self.emitted_by_end = 0
+        self._token_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
 
     # -- routing -------------------------------------------------------------------------------------------
     def _refresh_stats(self, now: float) -> None:
@@ -228,6 +262,22 @@ class Fleet:
             self.loop.routed(r.ticket, i, float(ttft[i]), float(tpot[i]), now)
         return pick
 
+    def _count_tokens(self, now: float) -> None:
+        """The fleet's emitted-token rate, an exponential average over `host.window_s` (for the host model)."""
+        if self.config.host is None:
+            return
+        emitted = sum(e.emitted for e in self.engines)
+        dt = now - self._rate_at
+        if dt > 0:
+            w = math.exp(-dt / self.config.host.window_s)
+            self._token_rate = w * self._token_rate + (1 - w) * (emitted - self._emitted_seen) / dt
+            self._rate_at, self._emitted_seen = now, emitted
+
+    def _speed(self, stepping: list[bool], now: float) -> float:
+        if self.config.host is None:
+            return 1.0
+        return self.config.host.speed(sum(stepping), self._token_rate)
+
     # -- the run -------------------------------------------------------------------------------------------
     def run(self, load: LoadConfig, progress: bool = False, requests: list[SimRequest] | None = None) -> list[RequestRow]:
         """Simulate `load` (or replay `requests`, with their own arrival times and lengths); `emitted_by_end`
@@ -239,7 +289,7 @@ class Fleet:
 
         def arrive(r: SimRequest, t: float) -> None:
             r.arrival_s = t
-            r.offset = self.acceptance.request_offset(r.domain, r.key) if r.domain in self.acceptance.model.domains else 0.0
+            r.offset = self.acceptance.request_offset(r.domain, r.key)
             heapq.heappush(events, (t, next(seq), "arrive", r))
 
         if closed:
@@ -294,13 +344,14 @@ class Fleet:
             elif kind == "step":
                 i = payload
                 engine = self.engines[i]
-                result = engine.step(now)
+                result = engine.step(now, self._speed(stepping, now))
                 if result.duration_s <= 0:
                     stepping[i] = False
                     continue
                 heapq.heappush(events, (now + result.duration_s, next(seq), "stepped", (i, result.finished)))
             elif kind == "stepped":
                 i, finished = payload
+                self._count_tokens(now)
                 stepping[i] = False
                 for r in finished:
                     self.in_flight[i] -= 1
@@ -313,7 +364,7 @@ class Fleet:
                     if self.loop is not None:
                         self.loop.gate.open()
                         if r.ticket is not None:
-                            self.loop.finished(r.ticket, _ttft_ms(r), _tpot_ms(r), now)
+                            self.loop.finished(r.ticket, _ttft_ms(r, self.config.request_ms), _tpot_ms(r), now)
                 start(i, now)
                 if finished and waiting:
                     still = []
@@ -323,11 +374,11 @@ class Fleet:
                     waiting = still
         bar.close()
         unfinished = [r for e in self.engines for r in (*e.running, *e.waiting)] + waiting
-        return [_row(r) for r in sorted(done + unfinished, key=lambda r: r.arrival_s)]
+        return [_row(r, self.config.request_ms) for r in sorted(done + unfinished, key=lambda r: r.arrival_s)]
 
 
-def _ttft_ms(r: SimRequest) -> float | None:
-    return None if r.first_token_s is None else (r.first_token_s - r.arrival_s) * 1000.0
+def _ttft_ms(r: SimRequest, request_ms: float = 0.0) -> float | None:
+    return None if r.first_token_s is None else (r.first_token_s - r.arrival_s) * 1000.0 + request_ms
 
 
 def _tpot_ms(r: SimRequest) -> float | None:
@@ -336,10 +387,11 @@ def _tpot_ms(r: SimRequest) -> float | None:
     return (r.finished_s - r.first_token_s) * 1000.0 / (r.generated - 1)
 
 
-def _row(r: SimRequest) -> RequestRow:
-    """The load test's row for a simulated request (one never finished by the end is a 504, as a timeout)."""
+def _row(r: SimRequest, request_ms: float = 0.0) -> RequestRow:
+    """The load test's row for a simulated request (one never finished by the end is a 504, as a timeout);
+    `request_ms` of HTTP path is added to its TTFT and end."""
     status = r.status or 504
-    end = r.finished_s if r.finished_s is not None else r.arrival_s
+    end = (r.finished_s if r.finished_s is not None else r.arrival_s) + (request_ms / 1000.0 if r.status == 200 else 0.0)
     return RequestRow(
         request_id=r.id,
         domain=r.domain,
@@ -351,7 +403,7 @@ def _row(r: SimRequest) -> RequestRow:
         first_token_s=r.first_token_s,
         prompt_tokens=r.prompt_tokens,
         output_tokens=r.generated if status == 200 else None,
-        ttft_ms=_ttft_ms(r) if status == 200 else None,
+        ttft_ms=_ttft_ms(r, request_ms) if status == 200 else None,
         tpot_ms=_tpot_ms(r) if status == 200 else None,
         e2e_ms=(end - r.arrival_s) * 1000.0,
     )

@@ -160,8 +160,12 @@ def profiles() -> dict[str, Profile]:
     return out
 
 
-def load_profile(name: str) -> Profile:
+def load_profile(name: str, k: int = 8) -> Profile:
+    """A named profile, or a profiled `StepCostModel` JSON file (an engine's cache entry) for a drafter of block `k`."""
     known = profiles()
-    if name not in known:
-        raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(sorted(known))}")
-    return known[name]
+    if name in known:
+        return known[name]
+    if name.endswith(".json") and Path(name).exists():
+        return Profile(name=name, cost=StepCostModel.load(name), k=k, context_ms_per_row=known["cpu-embedded"].context_ms_per_row,
+                       source=f"profiled: {name}")
+    raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(sorted(known))}, or a profiled JSON file")

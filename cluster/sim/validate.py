@@ -1,0 +1,221 @@
+"""`forespark simulate validate`: the real CPU deployment against the simulator, on the same arrivals.
+
+For each policy, a real `forespark serve` (the default application, the policy set as `forespark compare`
+sets it) takes a Locust load test at each rate. The simulator then replays each run's own requests (their
+scheduled arrival times, domains, prompt and output lengths) through a simulated fleet of the same size,
+pricing steps with the replicas' own profiled cost model (their cache entry on this host) and replaying the
+embedded pair's recorded acceptance traces, on which its estimators are fitted as the engine's are. Per
+case it reports real and simulated TTFT p50/p90, TPOT p50/p90, output-token throughput and SLO attainment,
+and their relative errors; the median error over the cases is the headline. The sustainable-rate ordering
+of the policies is compared with a real `forespark compare` result.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+from cluster.sim.compare import VARIANTS as SIM_VARIANTS, simulate_capacity, variant_fleet
+from cluster.sim.engine import SimRequest
+from cluster.sim.fleet import Fleet, FleetConfig, HostModel, LoadConfig
+from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.report import LoadTestReport, RequestRow, build_report
+
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput", "attainment")
+TIE = 0.05  # sustainable rates within this share of each other count as tied
+
+
+def metrics(report: LoadTestReport) -> dict[str, float | None]:
+    return {"ttft_p50": report.ttft_ms.p50, "ttft_p90": report.ttft_ms.p90, "tpot_p50": report.tpot_ms.p50,
+            "tpot_p90": report.tpot_ms.p90, "throughput": report.output_token_throughput, "attainment": report.attainment}
+
+
+def relative_errors(real: dict, sim: dict) -> dict[str, float | None]:
+    return {k: (abs(sim[k] - real[k]) / abs(real[k]) if real[k] and sim[k] is not None else None) for k in METRICS}
+
+
+class Case(BaseModel):
+    policy: str
+    rate: float
+    requests: int
+    real: dict[str, float | None]
+    sim: dict[str, float | None]
+    error: dict[str, float | None]
+
+
+class HostFit(BaseModel):
+    """What the host adds beyond the profiled engines, fitted on one real run (the calibration case): the serving
+    path's CPU per emitted token on the cores the engines share (`HostModel`), and the HTTP path's time to a
+    first token."""
+
+    cores: float
+    token_cpu_ms: float
+    request_ms: float
+    policy: str
+    rate: float
+    seed: int
+
+
+class ValidateResult(BaseModel):
+    simulated: bool = True
+    profile: str
+    traces: str
+    replicas: int
+    slo: SLOConfig
+    host: HostFit
+    median_error: dict[str, float | None]
+    ordering_matches: bool | None  # None: no real comparison given
+    ordering: dict[str, dict[str, float]]  # "real" / "sim": sustainable (crossing) rate per policy
+    cases: list[Case]
+
+
+def deployment_profile(replicas: int) -> Path:
+    """The profiled step-cost file the default application's replicas use on this host (their cache entry:
+    `replicas.wcs.profiler.profile_name` under the CPU threads Ray gives each replica)."""
+    import warnings
+
+    from cluster.host import HostDescription, resolve_app_config
+    from replicas.wcs.profiler import cache_dir, profile_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        app = resolve_app_config({"replica": {"num_replicas": replicas}}, HostDescription.detect())
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(int(app.replica.num_cpus))  # as Ray sets it for the replica's actor
+    try:
+        return cache_dir() / "step_cost" / profile_name(app.replica.engine)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def replayed(rows: list[RequestRow]) -> list[SimRequest]:
+    """The real run's requests for the simulator: scheduled arrivals from the first, domains, token counts."""
+    from loadtest.workload import shipped_prompts
+
+    prompts = shipped_prompts()
+    t0 = min((r.scheduled_s if r.scheduled_s is not None else r.start_s) for r in rows)
+    out = []
+    for n, r in enumerate(sorted(rows, key=lambda r: r.scheduled_s or r.start_s)):
+        prompt = prompts[r.domain][n % len(prompts[r.domain])]["prompt"] if r.domain in prompts else ""
+        out.append(SimRequest(id=r.request_id, key=n, domain=r.domain, prompt=prompt, prompt_tokens=r.prompt_tokens or 1,
+                              max_tokens=r.output_tokens or 1, arrival_s=(r.scheduled_s or r.start_s) - t0))
+    return out
+
+
+def simulate_rows(fleet: FleetConfig, rows: list[RequestRow], load: LoadTestConfig, slo: SLOConfig, seed: int) -> LoadTestReport:
+    sim = Fleet(fleet, seed=seed).run(LoadConfig(rate=load.rate, duration_s=load.duration_s, drain_s=load.drain_s, seed=seed),
+                                      requests=replayed([r for r in rows if r.status == 200]))
+    return build_report(sim, slo, load.rate, load.duration_s)
+
+
+def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLOConfig, replicas: int, port: int,
+              work: Path) -> dict[tuple[str, float, int], list[RequestRow]]:
+    """(policy, rate, seed) -> the real load test's rows; one server per policy, its runs in the order given."""
+    from loadtest.compare import VARIANTS, ServerProcess, variant_app_config
+    from loadtest.report import read_rows
+    from loadtest.run import run_loadtest
+
+    found = {}
+    for policy in dict.fromkeys(p for p, _, _ in runs):
+        app = variant_app_config({"replica": {"num_replicas": replicas}}, VARIANTS[policy], slo)
+        (work / policy).mkdir(parents=True, exist_ok=True)
+        with ServerProcess(app, port, work / policy) as server:
+            for p, rate, seed in runs:
+                if p == policy:
+                    out = work / policy / f"rate-{rate:g}-seed-{seed}"
+                    run = load.model_copy(update={"url": server.url, "out_dir": out, "rate": rate, "seed": seed})
+                    run_loadtest(run, slo, progress=True, plots=False)
+                    found[(policy, rate, seed)] = read_rows(out)
+    return found
+
+
+def fit_host(base: FleetConfig, rows: list[RequestRow], load: LoadTestConfig, slo: SLOConfig, seed: int, policy: str) -> HostFit:
+    """The serving path's CPU per token whose simulated TPOT p50 matches the real one (bisection: TPOT grows with
+    it), then the request overhead that closes the TTFT p50 gap."""
+    real = build_report(rows, slo, load.rate, load.duration_s)
+    fleet = variant_fleet(base, SIM_VARIANTS[policy], slo)
+    cores = float(os.cpu_count() or 1)
+
+    def simulated(token_cpu_ms: float, request_ms: float = 0.0) -> LoadTestReport:
+        cfg = fleet.model_copy(update={"host": HostModel(cores=cores, token_cpu_ms=token_cpu_ms), "request_ms": request_ms})
+        return simulate_rows(cfg, rows, load, slo, seed)
+
+    lo, hi = 0.0, 20.0
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        if (simulated(mid).tpot_ms.p50 or 0.0) < (real.tpot_ms.p50 or 0.0):
+            lo = mid
+        else:
+            hi = mid
+    token = (lo + hi) / 2
+    gap = (real.ttft_ms.p50 or 0.0) - (simulated(token).ttft_ms.p50 or 0.0)
+    return HostFit(cores=cores, token_cpu_ms=token, request_ms=max(gap, 0.0), policy=policy, rate=load.rate, seed=seed)
+
+
+def ordering_matches(real: dict[str, float], sim: dict[str, float]) -> bool:
+    """Every pair the real runs order clearly (more than `TIE` apart) the simulator orders the same way."""
+    names = [n for n in real if n in sim]
+    for a in names:
+        for b in names:
+            if real[a] > real[b] * (1 + TIE) and not sim[a] > sim[b]:
+                return False
+    return True
+
+
+def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo: SLOConfig, replicas: int = 2,
+             port: int = 8100, seed: int = 0, real_compare: Path | None = None, work: Path | None = None,
+             calibration_rate: float | None = None, log=print) -> ValidateResult:
+    """The cases are every (policy, rate) at `seed`; the host overheads are fitted on one more real run of the
+    first policy at `calibration_rate` (default the middle rate) with another seed, which no case shares."""
+    from replicas.models.build import WEIGHTS_DIR
+
+    traces = WEIGHTS_DIR / "traces.npz"
+    profile = deployment_profile(replicas)
+    work = work or Path(tempfile.mkdtemp(prefix="forespark-validate-"))
+    calibration = (policies[0], calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
+    runs = real_runs([calibration] + [(p, r, seed) for p in policies for r in rates], load, slo, replicas, port, work)
+    if not profile.exists():  # (the real servers profile their engines at start when this host has no profile yet)
+        raise FileNotFoundError(f"no step-cost profile at {profile}: the real replicas did not profile where expected")
+    base = FleetConfig(replicas=replicas, profile=str(profile), traces=traces)
+    cal_policy, cal_rate, cal_seed = calibration
+    host = fit_host(base, runs.pop(calibration), load.model_copy(update={"rate": cal_rate, "seed": cal_seed}), slo, cal_seed, cal_policy)
+    log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.token_cpu_ms:.2f} ms of CPU per token "
+        f"on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
+    base = base.model_copy(update={"host": HostModel(cores=host.cores, token_cpu_ms=host.token_cpu_ms), "request_ms": host.request_ms})
+    cases = []
+    for (policy, rate, _), rows in runs.items():
+        real = build_report(rows, slo, rate, load.duration_s)
+        sim = simulate_rows(variant_fleet(base, SIM_VARIANTS[policy], slo), rows, load.model_copy(update={"rate": rate}), slo, seed)
+        case = Case(policy=policy, rate=rate, requests=len(rows), real=metrics(real), sim=metrics(sim),
+                    error=relative_errors(metrics(real), metrics(sim)))
+        log(format_case(case))
+        cases.append(case)
+    median = {k: (float(np.median(v)) if (v := [c.error[k] for c in cases if c.error[k] is not None]) else None) for k in METRICS}
+    ordering: dict[str, dict[str, float]] = {}
+    matches = None
+    if real_compare is not None:
+        from loadtest.compare import CompareResult
+
+        real = CompareResult.model_validate_json(Path(real_compare).read_text())
+        ordering["real"] = {p: real.variants[p].crossing_rate for p in policies if p in real.variants}
+        sim_load = LoadConfig(rate=1.0, duration_s=load.duration_s, drain_s=load.drain_s, domains=load.domains, seed=seed)
+        ordering["sim"] = {p: simulate_capacity(variant_fleet(base, SIM_VARIANTS[p], real.slo), sim_load, real.slo, 4.0, seed).crossing_rate
+                           for p in ordering["real"]}
+        matches = ordering_matches(ordering["real"], ordering["sim"])
+    return ValidateResult(profile=str(profile), traces=str(traces), replicas=replicas, slo=slo, host=host, median_error=median,
+                          ordering_matches=matches, ordering=ordering, cases=cases)
+
+
+def format_case(c: Case) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.3g}"
+
+    cells = "  ".join(f"{k} {f(c.real[k])}/{f(c.sim[k])} ({'-' if c.error[k] is None else f'{c.error[k]:.0%}'})" for k in METRICS)
+    return f"{c.policy:>7} @ {c.rate:g} req/s ({c.requests} requests), real/simulated (error): {cells}"

@@ -10,14 +10,15 @@
     forespark capacity --url U           highest request rate meeting the SLOs (doubling, then bisection)
     forespark compare                    capacity per policy / router, each on its own application, probes in turns
     forespark overload --url U           goodput and refusals at multiples of the sustainable rate
-    forespark manifests check [PATH...]  validate the ray up, Serve and KubeRay manifests offline
+    forespark manifests check [PATH...]  validate the ray up, Serve, KubeRay manifests and the Grafana dashboard offline
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
     forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
     forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
     forespark models workloads           rewrite the shipped workload prompts from held-out text
-    forespark simulate profiles|run|compare|bench   the fleet simulator (cluster/sim/): simulated figures
+    forespark simulate profiles|run|compare|sweep|bench|validate   the fleet simulator (cluster/sim/): simulated figures
+    forespark results check              docs/results.md against the JSON it cites
 """
 
 from __future__ import annotations
@@ -108,7 +109,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     own_ray = args.address is None
-    ray.init(address=args.address, include_dashboard=False, configure_logging=False)
+    if own_ray:
+        from cluster.serve_env import local_ray_environment
+
+        local_ray_environment()
+        ray.init(include_dashboard=False, configure_logging=False, _metrics_export_port=args.metrics_export_port)
+    else:
+        ray.init(address=args.address, include_dashboard=False, configure_logging=False)
     # After ray.init: Ray's own failure handler would otherwise take SIGTERM and abort the process.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -120,9 +127,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         serve.run(build_app(config), name="forespark", route_prefix="/")
+        from cluster.ingress import node_metrics_url
+
         print(
             f"serving the OpenAI API at http://{args.host}:{args.port}/v1 (model {config.replica.served_model_name!r}); "
-            f"metrics at /metrics; Ctrl-C stops",
+            f"metrics: this node's Ray metrics agent at {node_metrics_url()} (ForeSpark's series also at /metrics); "
+            "Ctrl-C stops",
             flush=True,
         )
         while not stop.wait(1.0):  # a timed wait: a signal that reaches another thread is still seen
@@ -133,10 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serve.shutdown()
             ray.shutdown()
         else:  # stop only what this command started
-            from replicas.metrics import remove_metrics_board
-
             serve.delete("forespark")
-            remove_metrics_board()
     return 0
 
 
@@ -570,6 +577,12 @@ def cmd_models_workloads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_results_check(args: argparse.Namespace) -> int:
+    from loadtest.results_doc import main as results_doc
+
+    return results_doc(["check", *([args.doc] if args.doc else [])])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forespark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -584,6 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--router", choices=("acceptance_headroom", "pow2"), default=None, help="request router (default: acceptance_headroom)")
     srv.add_argument("--dry-run", action="store_true", help="print the resolved configuration and its Serve options; start nothing")
     srv.add_argument("--assume-gpus", type=int, default=None, metavar="N", help="resolve defaults for a host with N GPUs (0: a CPU host)")
+    srv.add_argument("--metrics-export-port", type=int, default=None, metavar="PORT",
+                     help="port of the local Ray's metrics agent, for Prometheus (default: one Ray picks, printed at start)")
     srv.set_defaults(func=cmd_serve)
 
     load = sub.add_parser("loadtest", help="Locust SLO load test at one request rate: JSON report and PNG plots")
@@ -636,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     manifests = sub.add_parser("manifests", help="the shipped ray up, Serve and KubeRay manifests")
     manifests_sub = manifests.add_subparsers(dest="manifests", required=True)
-    mcheck = manifests_sub.add_parser("check", help="validate manifests offline (default: every manifests/*.yaml); exit 1 on any problem")
+    mcheck = manifests_sub.add_parser("check", help="validate manifests offline (default: every manifests/*.yaml and manifests/grafana/*.json); exit 1 on any problem")
     mcheck.add_argument("paths", nargs="*", help="manifest files (default: the shipped ones)")
     mcheck.set_defaults(func=cmd_manifests_check)
 
@@ -748,6 +763,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.sim.cli import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)
+    res = sub.add_parser("results", help="docs/results.md against the JSON it cites")
+    res_sub = res.add_subparsers(dest="results", required=True)
+    rcheck = res_sub.add_parser("check", help="recompute every annotated table from its JSON; exit 1 on any mismatch or missing file")
+    rcheck.add_argument("doc", nargs="?", default=None, help="the markdown file (default docs/results.md)")
+    rcheck.set_defaults(func=cmd_results_check)
     return parser
 
 

@@ -235,3 +235,16 @@ def test_ordering_matches_only_where_the_real_runs_order_clearly():
     assert ordering_matches(real, {"wcs": 30.0, "dspark": 10.0, "ar": 25.0})
     assert ordering_matches(real, {"wcs": 25.0, "dspark": 10.0, "ar": 30.0})
     assert not ordering_matches(real, {"wcs": 30.0, "dspark": 40.0, "ar": 25.0})  # control: dspark above
+
+
+def test_a_sensitivity_corner_moves_the_roofline_and_only_a_roofline_takes_one():
+    from cluster.sim.profiles import sensitivity_corners
+
+    corners = sensitivity_corners()
+    assert len(corners) == 8
+    slow = load_profile("h100-8b-tp1", efficiency={"bw_eff": 0.7, "mfu": 0.5, "step_overhead_ms": 2.0}).cost
+    fast = load_profile("h100-8b-tp1", efficiency={"bw_eff": 0.85, "mfu": 0.65, "step_overhead_ms": 1.0}).cost
+    nominal = load_profile("h100-8b-tp1").cost
+    assert fast.step_ms(64, 0, 64) < nominal.step_ms(64, 0, 64) < slow.step_ms(64, 0, 64)
+    with pytest.raises(ValueError, match="roofline"):
+        load_profile("cpu-embedded", efficiency={"mfu": 0.5})

@@ -53,6 +53,31 @@ def _label(fleet) -> str:
             f"{fleet.acceptance} ({ACCEPTANCE_MODELS[fleet.acceptance].source})")
 
 
+def _sensitivity(args: argparse.Namespace, fleet, run) -> dict | None:
+    """With --sensitivity: `run(fleet)` at every corner of the roofline parameters' plausible box
+    (`profiles.SENSITIVITY`); each ratio's band (min, max) over the corners and the nominal run."""
+    if not getattr(args, "sensitivity", False):
+        return None
+    from cluster.sim.profiles import SENSITIVITY, sensitivity_corners
+
+    corners = []
+    for corner in sensitivity_corners():
+        print(f"sensitivity corner {corner}", flush=True)
+        corners.append({"efficiency": corner, "ratios": run(fleet.model_copy(update={"efficiency": corner})).ratios})
+    return {"box": {k: list(v) for k, v in SENSITIVITY.items()}, "corners": corners}
+
+
+def _band(nominal: dict, sensitivity: dict | None) -> dict[str, list[float]]:
+    if sensitivity is None:
+        return {}
+    out = {}
+    for key, value in nominal.items():
+        values = [v for v in [value, *(c["ratios"].get(key) for c in sensitivity["corners"])] if v is not None]
+        if values:
+            out[key] = [min(values), max(values)]
+    return out
+
+
 def cmd_profiles(args: argparse.Namespace) -> int:
     from cluster.sim.profiles import profiles
 
@@ -89,10 +114,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"{name:>10} {v.policy:>7} {v.router:>9} sustainable {v.max_rate:.3g} req/s (crossing {v.crossing_rate:.3g}); "
               f"per seed {v.max_rates}", flush=True)
 
-    result = simulate_compare(fleet, load, slo, names, args.start_rate, list(range(args.seed, args.seed + args.seeds)), shown)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    result = simulate_compare(fleet, load, slo, names, args.start_rate, seeds, shown)
+    sensitivity = _sensitivity(args, fleet, lambda f: simulate_compare(f, load, slo, names, args.start_rate, seeds))
+    band = _band(result.ratios, sensitivity)
     for key, value in result.ratios.items():
-        print(f"{key}: {'-' if value is None else f'{value:.2f}x'}")
-    _write(args.json, result.model_dump(mode="json"))
+        extra = f" (sensitivity band {band[key][0]:.2f}-{band[key][1]:.2f})" if key in band else ""
+        print(f"{key}: {'-' if value is None else f'{value:.2f}x'}{extra}")
+    _write(args.json, {**result.model_dump(mode="json"), "sensitivity": sensitivity, "band": band})
     return 0
 
 
@@ -109,12 +138,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"per request, accepted length {r.mean_accepted_length:.2f}, draft waste {r.draft_waste:.0%}", flush=True)
 
     result = simulate_sweep(fleet, names, concurrency, args.duration, args.seed, shown)
+    sensitivity = _sensitivity(args, fleet, lambda f: simulate_sweep(f, names, concurrency, args.duration, args.seed))
+    band = _band(result.ratios, sensitivity)
     for key, value in result.ratios.items():
         rate = result.matched_rate[key]
-        print(f"{key}: {'-' if value is None else f'{value:.2f}x'} at {'-' if rate is None else f'{rate:.0f}'} tok/s per request")
+        extra = f" (sensitivity band {band[key][0]:.2f}-{band[key][1]:.2f})" if key in band else ""
+        print(f"{key}: {'-' if value is None else f'{value:.2f}x'} at {'-' if rate is None else f'{rate:.0f}'} tok/s per request{extra}")
     print("wcs over the best other, per concurrency: " + ", ".join(
         f"{c}: {'-' if v is None else f'{v:.2f}'}" for c, v in result.wcs_vs_best.items()))
-    _write(args.json, result.model_dump(mode="json"))
+    _write(args.json, {**result.model_dump(mode="json"), "sensitivity": sensitivity, "band": band})
     return 0
 
 
@@ -206,11 +238,13 @@ def add_parser(sub) -> None:
     cmp_.add_argument("--variants", default="wcs,dspark,ar,wcs-pow2", help=f"from {','.join(VARIANTS)}")
     cmp_.add_argument("--start-rate", type=float, default=8.0)
     cmp_.add_argument("--seeds", type=int, default=1, help="searches per variant, seeds from --seed (medians reported)")
+    cmp_.add_argument("--sensitivity", action="store_true", help="repeat at every corner of the roofline parameters' range; report each ratio's band")
     common(cmp_, 30.0)
     cmp_.set_defaults(func=cmd_compare)
     sweep = ss.add_parser("sweep", help="throughput per replica over concurrency, wcs against the others at matched per-request rate")
     sweep.add_argument("--variants", default="wcs,dspark,vllm-adaptive,ar", help=f"from {','.join(VARIANTS)}")
     sweep.add_argument("--concurrency", default="1,4,16,64,256", help="requests in flight per replica")
+    sweep.add_argument("--sensitivity", action="store_true", help="repeat at every corner of the roofline parameters' range; report each ratio's band")
     common(sweep, 10.0)
     sweep.set_defaults(func=cmd_sweep, replicas=1, max_num_seqs=256)
     val = ss.add_parser("validate", help="run the real CPU deployment and the simulator on the same arrivals; report the errors")

@@ -72,6 +72,7 @@ class FleetConfig(BaseModel):
 
     replicas: int = Field(default=2, ge=1)
     profile: str = DEFAULT_PROFILE
+    efficiency: dict[str, float] | None = Field(default=None, description="roofline Efficiency overrides (sensitivity runs)")
     acceptance: str = "dflash-qwen3-8b"
     traces: Path | None = Field(default=None, description="replay these recorded traces instead (cluster/sim/replay.py)")
     policy: PolicyName | Literal["vllm-adaptive"] = PolicyName.WCS
@@ -159,7 +160,7 @@ def fitted_estimators(config: FleetConfig, k: int, seed: int) -> tuple:
 def make_controller(config: FleetConfig, k: int, fitted: tuple, seed: int) -> StepController:
     """The real controller, pricing steps with the profile (its online correction then learns the engine)."""
     estimator, calibrator = copy.deepcopy(fitted)
-    profile = load_profile(config.profile)
+    profile = load_profile(config.profile, efficiency=config.efficiency)
     if config.policy == VLLM_ADAPTIVE:
         from cluster.sim.vllm_adaptive import VLLMAdaptiveController
 
@@ -172,7 +173,7 @@ def make_controller(config: FleetConfig, k: int, fitted: tuple, seed: int) -> St
 class Fleet:
     def __init__(self, config: FleetConfig, seed: int = 0) -> None:
         self.config = config
-        profile = load_profile(config.profile)
+        profile = load_profile(config.profile, efficiency=config.efficiency)
         if config.traces is not None:
             self.acceptance = TraceReplay(config.traces, seed)
             if self.acceptance.k != profile.k:

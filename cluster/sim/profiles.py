@@ -128,16 +128,28 @@ class Profile(BaseModel):
     source: str
 
 
-def _gpu_profile(gpu: str, tp: int) -> Profile:
+def _gpu_profile(gpu: str, tp: int, eff: Efficiency = Efficiency()) -> Profile:
     spec = GPUS[gpu]
-    bw = spec.hbm_tb_s * 1e12 * Efficiency().bw_eff * tp
+    bw = spec.hbm_tb_s * 1e12 * eff.bw_eff * tp
     return Profile(
         name=f"{gpu}-8b-tp{tp}",
-        cost=roofline_profile(spec, tp),
+        cost=roofline_profile(spec, tp, eff=eff),
         k=DRAFTER_DFLASH_5L.block,
         context_ms_per_row=DRAFTER_DFLASH_5L.context_bytes_per_token / bw * 1e3,
-        source=f"roofline: {spec.source}; {TARGET_8B.source}; {DRAFTER_DFLASH_5L.source}; {Efficiency().source}",
+        source=f"roofline: {spec.source}; {TARGET_8B.source}; {DRAFTER_DFLASH_5L.source}; {eff.source}",
     )
+
+
+# The uncertain roofline parameters and their plausible ranges (the sources in `Efficiency`): a sensitivity run
+# repeats a result at every corner of this box.
+SENSITIVITY = {"bw_eff": (0.7, 0.85), "mfu": (0.5, 0.65), "step_overhead_ms": (1.0, 2.0)}
+
+
+def sensitivity_corners() -> list[dict[str, float]]:
+    import itertools
+
+    names = list(SENSITIVITY)
+    return [dict(zip(names, values)) for values in itertools.product(*(SENSITIVITY[n] for n in names))]
 
 
 @cache
@@ -160,9 +172,15 @@ def profiles() -> dict[str, Profile]:
     return out
 
 
-def load_profile(name: str, k: int = 8) -> Profile:
-    """A named profile, or a profiled `StepCostModel` JSON file (an engine's cache entry) for a drafter of block `k`."""
+def load_profile(name: str, k: int = 8, efficiency: dict[str, float] | None = None) -> Profile:
+    """A named profile, or a profiled `StepCostModel` JSON file (an engine's cache entry) for a drafter of block `k`.
+    `efficiency`: for a roofline profile, `Efficiency` fields that replace the defaults (a sensitivity run)."""
     known = profiles()
+    if efficiency:
+        gpu, _, tp = name.partition("-8b-tp")
+        if gpu not in GPUS or not tp.isdigit():
+            raise ValueError(f"efficiency overrides apply to the roofline profiles only, not {name!r}")
+        return _gpu_profile(gpu, int(tp), Efficiency(**efficiency))
     if name in known:
         return known[name]
     if name.endswith(".json") and Path(name).exists():

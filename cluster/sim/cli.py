@@ -41,6 +41,7 @@ def _inputs(args: argparse.Namespace, rate: float):
     admission = AdmissionConfig(ttft_ms=slo.ttft_ms or 1000.0, tpot_ms=slo.tpot_ms) if args.admission else None
     engine = EngineSpec(max_num_seqs=args.max_num_seqs, tpot_slo_ms=slo.tpot_ms or EngineSpec().tpot_slo_ms)
     fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine,
+                        traces=Path(args.traces) if args.traces else None,
                         max_ongoing_requests=args.max_num_seqs, admission=admission)
     return fleet, load, slo
 
@@ -49,8 +50,9 @@ def _label(fleet) -> str:
     from cluster.sim.acceptance import ACCEPTANCE_MODELS
     from cluster.sim.profiles import load_profile
 
-    return (f"SIMULATED: cost profile {fleet.profile} ({load_profile(fleet.profile).source}); acceptance model "
-            f"{fleet.acceptance} ({ACCEPTANCE_MODELS[fleet.acceptance].source})")
+    accept = (f"acceptance replayed from {fleet.traces}" if fleet.traces else
+              f"acceptance model {fleet.acceptance} ({ACCEPTANCE_MODELS[fleet.acceptance].source})")
+    return f"SIMULATED: cost profile {fleet.profile} ({load_profile(fleet.profile).source}); {accept}"
 
 
 def _sensitivity(args: argparse.Namespace, fleet, run) -> dict | None:
@@ -205,6 +207,8 @@ def add_parser(sub) -> None:
     def common(p: argparse.ArgumentParser, duration: float) -> None:
         p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"cost profile (default {DEFAULT_PROFILE}; see `simulate profiles`)")
         p.add_argument("--acceptance", default="dflash-qwen3-8b", choices=sorted(ACCEPTANCE_MODELS), help="acceptance model")
+        p.add_argument("--traces", metavar="PATH", help="replay these recorded acceptance traces instead (e.g. the embedded "
+                       "pair's replicas/models/weights/traces.npz, with --profile cpu-embedded)")
         p.add_argument("--replicas", type=int, default=2)
         p.add_argument("--max-num-seqs", type=int, default=64, help="each engine's batch (and Serve's max_ongoing_requests)")
         p.add_argument("--admission", action="store_true", help="SLO-aware admission at the ingress (cluster/admission.py)")

@@ -85,7 +85,7 @@ def simulate_compare(base: FleetConfig, load: LoadConfig, slo: SLOConfig, names:
             on_result(name, results[name])
     present = {k: ab for k, ab in RATIOS.items() if all(x in results for x in ab)}
     return SimCompareResult(
-        profile=base.profile, acceptance=base.acceptance, replicas=base.replicas, slo=slo, variants=results,
+        profile=base.profile, acceptance=f"replay:{base.traces}" if base.traces else base.acceptance, replicas=base.replicas, slo=slo, variants=results,
         ratios={k: ratio(results, a, b) for k, (a, b) in present.items()},
         crossing_ratios={k: ratio(results, a, b, "crossing_rate") for k, (a, b) in present.items()},
         wall_s=time.perf_counter() - t0,

@@ -58,6 +58,7 @@ class SimRequest:
     prefill_target: int = -1  # tokens its prefill covers: the prompt, after a preemption what it had generated too
     kv_tokens: int = 0
     generated: int = 0
+    deferred: int = 0  # drafter context rows deferred by steps that did not draft (dropped when it leaves)
     verify: int = 0  # drafts to verify in its next step
     accept_len: int = 0  # ... and how many of them the target accepts
     blocks: int = 0
@@ -92,13 +93,17 @@ class SimEngine:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.free_blocks = spec.kv_blocks
-        self.pending_rows = 0  # drafter context deferred by steps that did not draft
         self.decode_s = 0.0  # realised decoding, as vLLM's stat logger totals it (`LatestSchedulerStats`)
         self.decode_tokens = 0
         self.steps = 0
         self.emitted = 0  # tokens emitted so far
         self._stats_before: tuple[dict, tuple[float, int]] | None = None
         self._mix = StepMix()
+
+    @property
+    def pending_rows(self) -> int:
+        """Deferred drafter context of the requests still here (the real drafter drops a leaving request's)."""
+        return sum(r.deferred for r in self.running)
 
     @property
     def load(self) -> int:
@@ -123,7 +128,7 @@ class SimEngine:
         self.running.remove(r)
         self._release(r)
         self.ctl.finish([r.id])
-        r.prefilled, r.kv_tokens, r.verify, r.accept_len = 0, 0, 0, 0
+        r.prefilled, r.kv_tokens, r.verify, r.accept_len, r.deferred = 0, 0, 0, 0, 0
         r.prefill_target = r.prompt_tokens + r.generated
         r.preemptions += 1
         self.waiting.appendleft(r)
@@ -197,15 +202,18 @@ class SimEngine:
         target = sum(tokens.values())
         context_rows = context_ms = 0
         if drafted:
-            context_rows, context_ms = self.pending_rows, self.pending_rows * self.context_ms_per_row
-            self.pending_rows = 0
+            context_rows = self.pending_rows
+            context_ms = context_rows * self.context_ms_per_row
+            for r in self.running:
+                r.deferred = 0
             verify = ctl.verify(draw.confidence)
             launch = self.true_cost.step_ms(n, drafted, target) - self.true_cost.step_ms(n, 0, target)
             ctl.drafted(launch + context_ms)
         else:
             verify = np.zeros(n, dtype=np.int64)
             if ctl.needs_drafter():
-                self.pending_rows += target
+                for r in batch:
+                    r.deferred += tokens[r.id]
         noise = math.exp(self.rng.normal(0.0, self.spec.noise_sd)) if self.spec.noise_sd else 1.0
         period_ms = (self.true_cost.step_ms(n, drafted, target) + context_ms) * noise / speed + self.spec.host_step_ms
         planned = n + int(verified.sum())

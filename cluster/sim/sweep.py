@@ -59,5 +59,5 @@ def simulate_sweep(base: FleetConfig, names: list[str], concurrency: list[int], 
         at = {r.policy: r.tokens_per_s for r in rows if r.concurrency == c}
         rest = [v for k, v in at.items() if k != "wcs"]
         best[c] = at["wcs"] / max(rest) if "wcs" in at and rest and max(rest) > 0 else None
-    return SimSweep(profile=base.profile, acceptance=base.acceptance, replicas=base.replicas, ratios=ratios,
+    return SimSweep(profile=base.profile, acceptance=f"replay:{base.traces}" if base.traces else base.acceptance, replicas=base.replicas, ratios=ratios,
                     matched_rate=rates, wcs_vs_best=best, rows=rows)

@@ -18,6 +18,9 @@ which the router keeps its prediction, and reports the TTFT (to the first
 streamed chunk) and TPOT (over the rest, from the usage the stream ends with)
 that it measured. While the router's last decision was a refusal for a full
 fleet (`AdmissionGate`), it answers 429 without calling the handle.
+
+`GET /metrics` passes on ForeSpark's series from the Ray metrics agent of the
+ingress's own node (`HandleBackend.metrics`); there is no central collector.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ class IngressConfig(BaseModel):
     max_ongoing_requests: int = Field(default=2048, ge=1, description="HTTP requests in flight per ingress replica")
     overload_status: Literal[429, 503] = Field(default=429, description="status of requests turned away when queues are full")
     retry_after_s: int = Field(default=1, ge=1, description="their Retry-After header")
-    metrics_max_age_s: float = Field(default=30.0, gt=0, description="replicas silent this long drop out of /metrics")
 
 
 def _replica_gone(e: BaseException) -> bool:
@@ -73,6 +75,24 @@ def raised_by_replica(e: BaseException) -> BaseException | None:
     return e
 
 
+def node_metrics_url(node_id: str | None = None) -> str:
+    """The Prometheus endpoint of a node's Ray metrics agent (this process's node by default)."""
+    import ray
+
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node.get("Alive", True):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    raise LookupError(f"node {node_id} is not in the cluster")
+
+
+def _fetch_text(url: str, timeout_s: float = 10.0) -> str:
+    from urllib.request import urlopen
+
+    with urlopen(url, timeout=timeout_s) as r:
+        return r.read().decode()
+
+
 GATED = DECISIONS.labels("acceptance_headroom", "gated")  # refused at the ingress's gate, before the router
 _COMPLETION_TOKENS = re.compile(r'"completion_tokens"\s*:\s*(\d+)')
 
@@ -84,7 +104,7 @@ class HandleBackend:
         self.handle = handle.options(stream=True)
         self.config = config
         self.loop = loop  # admission's, shared with the router (None: admission off)
-        self._board = None  # the metrics board's handle, found on the first scrape
+        self._metrics_url: str | None = None  # this node's Ray metrics agent, found on the first GET /metrics
 
     def _overloaded(self) -> Reply:
         return self._refused(self.config.retry_after_s, "the server is at capacity; retry later")
@@ -199,17 +219,22 @@ class HandleBackend:
         pass  # Serve health-checks and replaces the engine replicas itself
 
     async def metrics(self) -> str:
-        from prometheus_client import REGISTRY, generate_latest
+        """ForeSpark's and vLLM's series as the Ray metrics agent of this ingress replica's node exports them.
 
-        from replicas.metrics import merge_metrics, metrics_board
+        A single-node convenience that costs one local fetch per call and nothing otherwise: on a cluster it
+        shows one node's replicas; Prometheus scrapes every node's agent instead (docs/deploy.md).
+        """
+        import asyncio
+
+        from cluster.dashboard import filter_series
 
         try:
-            self._board = self._board or metrics_board()
-            texts = await self._board.texts.remote(self.config.metrics_max_age_s)
-        except Exception:  # the board went away (it is recreated by the next poster): this scrape has no replicas
-            logger.exception("reading the metrics board failed")
-            self._board, texts = None, {}
-        return generate_latest(REGISTRY).decode() + merge_metrics(texts)
+            self._metrics_url = self._metrics_url or await asyncio.to_thread(node_metrics_url)
+            text = await asyncio.to_thread(_fetch_text, self._metrics_url)
+        except Exception:  # the agent is restarting or unreachable: this scrape is empty
+            logger.exception("reading this node's Ray metrics agent failed")
+            return ""
+        return filter_series(text)
 
     def shutdown(self) -> None:
         pass

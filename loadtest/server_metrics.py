@@ -1,14 +1,19 @@
 """What the server itself says about a load test, per engine replica, read over HTTP from its `/metrics`.
 
-A ForeSpark server labels every replica's series with `replica`. Two scrapes,
-before and after a run, give each replica's share of the finished requests,
-its mean inter-token latency as the engine measured it, and the CPU time its
-processes spent per finished request: a run in which one replica took most
-of the load, or streamed slower than the others, shows here and not in the
-client's percentiles. The CPU per request is what was spent at that load, not
-a fixed cost: an engine steps whenever it has requests, so on CPU replicas it
-falls as the rate rises and more requests share each step. A server without
-those series (another OpenAI server) gives an empty result.
+A ForeSpark server's `/metrics` passes on the series of its node's Ray metrics
+agent: vLLM's under `ray_vllm_*` (labelled `ReplicaId`), ForeSpark's under
+`ray_forespark_*` (labelled `replica`), both the Serve replica's id. Two
+scrapes, before and after a run, give each replica's share of the finished
+requests, its mean inter-token latency as the engine measured it, and the CPU
+time its processes spent per finished request: a run in which one replica took
+most of the load, or streamed slower than the others, shows here and not in
+the client's percentiles. The CPU per request is what was spent at that load,
+not a fixed cost: an engine steps whenever it has requests, so on CPU replicas
+it falls as the rate rises and more requests share each step. Ray exports
+every few seconds (`cluster/serve_env.py`), so the last requests show up late
+(`settled_loads` waits for them). On a cluster the server's `/metrics` shows
+only its ingress's node; a server without those series (another OpenAI
+server) gives an empty result.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import time
 import httpx
 from pydantic import BaseModel
 
-SUCCESS = "vllm:request_success_total"
-ITL_SUM, ITL_COUNT = "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"
-CPU = "forespark_replica_cpu_seconds_total"  # labelled by process: "engine" (the engine core) or "replica" (the actor)
+SUCCESS = "ray_vllm_request_success_total"
+# ForeSpark's exact totals: Ray's export of vLLM's inter-token latency histogram sums bucket midpoints.
+ITL_SUM = "ray_forespark_engine_inter_token_latency_seconds_total"
+ITL_COUNT = "ray_forespark_engine_inter_token_latency_observations_total"
+CPU = "ray_forespark_replica_cpu_seconds_total"  # labelled by process: "engine" (the engine core) or "replica" (the actor)
+REPLICA_LABELS = ("replica", "ReplicaId")  # Serve's tag on ForeSpark's series, vLLM's on its own
 
 Counters = dict[str, dict[str, float]]  # replica -> series name -> value
 
@@ -42,14 +50,14 @@ def scrape(url: str, timeout_s: float = 10.0) -> Counters:
 
 
 def counters_from_text(text: str) -> Counters:
-    """Per replica: finished requests, the inter-token latency histogram's sum and count, and CPU seconds
-    per process (as `cpu:<process>`)."""
+    """Per replica: finished requests, the engine's inter-token latency totals (sum and count), and CPU
+    seconds per process (as `cpu:<process>`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counters: Counters = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            replica = s.labels.get("replica")
+            replica = next((s.labels[k] for k in REPLICA_LABELS if s.labels.get(k)), None)
             if replica is None or s.name not in (SUCCESS, ITL_SUM, ITL_COUNT, CPU):
                 continue
             if s.name == SUCCESS and s.labels.get("finished_reason") not in ("stop", "length"):
@@ -89,9 +97,10 @@ def _replica_load(d: dict[str, float], total: float) -> ReplicaLoad:
     )
 
 
-def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 5.0) -> dict[str, ReplicaLoad]:
-    """The replicas' loads once their counts reach `finished` (the client's successful requests): replicas post
-    their metrics periodically, so the last requests show up to a period late. Gives up after `wait_s`."""
+def settled_loads(url: str, before: Counters, finished: int, wait_s: float = 15.0) -> dict[str, ReplicaLoad]:
+    """The replicas' loads once their counts reach `finished` (the client's successful requests): Ray exports
+    metrics periodically (10 s by default on a cluster), so the last requests show up late. Gives up after
+    `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
         loads = replica_loads(before, scrape(url))

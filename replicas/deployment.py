@@ -9,7 +9,9 @@ Cancelling the call (the client went away) cancels the generator here, which
 aborts the request in the engine.
 
 Every `stats_period_s` the replica refreshes what it tells the router
-(`record_routing_stats`) and posts its Prometheus text to the metrics board.
+(`record_routing_stats`) and exports its WCS series through Ray's metrics
+system (`replicas.metrics.RayExport`); vLLM's own go there through
+`RayPrometheusStatLogger`. Nothing the router needs goes through metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.engine import EngineConfig, cpu_engine_environment
-from replicas.metrics import LatestSchedulerStats, metrics_board, process_cpu_seconds, replica_metrics_text
+from replicas.metrics import LatestSchedulerStats, RayExport, measured_step_ms, process_cpu_seconds, replica_families
 from replicas.openai_api import exception_reply
 from replicas.routing_stats import RoutingStats, StepMix, routing_stats, step_mix
 
@@ -116,18 +118,22 @@ class EngineReplica:
     """A Serve deployment class (`cluster/app.py` deploys it): one WCS engine per replica."""
 
     async def __init__(self, config: ReplicaConfig) -> None:
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
         from replicas.openai_api import OpenAIEngine
 
         cpu_engine_environment()
         self.config = config
         self.scheduler = LatestSchedulerStats()
         self.engine = await OpenAIEngine.start(
-            config.replica_engine(), config.served_model_name, stat_loggers=[self.scheduler.factory()]
+            config.replica_engine(), config.served_model_name, stat_loggers=[self.scheduler.factory(), RayPrometheusStatLogger]
         )
         self._stats: RoutingStats | None = None
         self.aborted = 0
         self._mix = StepMix()
         self._wcs: dict | None = None
+        self._step_ms: float | None = None  # measured over the last stats period that ran steps
+        self._export = RayExport()
         self._decoded: tuple[float, int] = (0.0, 0)  # the engine's decode totals at the last refresh
         await self._refresh()
         self._loop = asyncio.create_task(self._refresh_forever())
@@ -174,6 +180,7 @@ class EngineReplica:
         before, accept_len = self._wcs, 1.0
         if engine.has_wcs:
             self._wcs = await engine.wcs_stats()
+            self._step_ms = measured_step_ms(self._wcs, before) or self._step_ms
             accept_len = (await engine.engine.collective_rpc("wcs_batch_acceptance"))[0]
             # An idle period says nothing about the mix: keep the last one measured.
             self._mix = step_mix(self._wcs, before) or self._mix
@@ -194,25 +201,22 @@ class EngineReplica:
             realised_tpot_ms=realised,
         )
 
-    async def _refresh_forever(self) -> None:
-        from ray import serve
+    def _export_metrics(self) -> None:
+        self._export.export(
+            replica_families(self._wcs, self._stats, self.aborted, process_cpu_seconds(), self.scheduler, self._step_ms)
+        )
 
-        replica = serve.get_replica_context().replica_id.unique_id
-        board = None
+    async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.stats_period_s)
             try:
                 await asyncio.wait_for(self._refresh(), timeout=max(10.0, 5 * self.config.stats_period_s))
-                board = board or metrics_board()
-                # Awaited, so that a board that went away is found again next period.
-                text = replica_metrics_text(self._wcs, self._stats, self.aborted, process_cpu_seconds())
-                await asyncio.wait_for(board.post.remote(replica, text), timeout=10.0)
+                self._export_metrics()
             except Exception:  # an engine that died is reported by check_health; keep the loop alive
                 if self.engine.engine.errored:
                     logger.warning("engine is dead; routing stats not refreshed")
                 else:
                     logger.exception("refreshing routing stats failed")
-                board = None
 
     def __del__(self) -> None:
         loop = getattr(self, "_loop", None)

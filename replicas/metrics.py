@@ -1,37 +1,41 @@
-"""Prometheus metrics of a replica: vLLM's own, plus WCS's, merged across replicas for one `/metrics`.
+"""Prometheus metrics of a replica: vLLM's own and WCS's, exported through Ray's metrics system.
 
-Each replica renders its process's registry (vLLM's `PrometheusStatLogger`
-registers there) and the WCS families below, and posts the text to the
-`MetricsBoard` actor every stats period. The HTTP ingress serves the board's
-texts merged, each series labelled with its `replica`, next to its own
-process's series (the router's).
+In a Serve replica vLLM logs through `RayPrometheusStatLogger` (its `vllm:*`
+series become Ray metrics, tagged `ReplicaId`), and `RayExport` hands the WCS
+families below to `ray.serve.metrics` every stats period (Serve tags them
+`deployment`, `replica`, `application`). Each node's Ray metrics agent serves
+both at `http://<node>:<metrics export port>/metrics`, so nothing central
+collects them (docs/deploy.md). An engine outside Serve renders the same
+families as text (`replica_metrics_text`).
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from replicas.routing_stats import RoutingStats
 
-BOARD_NAME = "forespark-metrics-board"
-BOARD_NAMESPACE = "forespark"
+logger = logging.getLogger("ray.serve")
 
 
 class LatestSchedulerStats:
     """A vLLM per-engine stat logger that keeps the last scheduler stats (waiting requests, KV use) and totals
     the engine's realised decoding: seconds between a request's outputs (`decode_s`) and the tokens those
-    outputs carried (`decode_tokens`; every generated token but each request's first)."""
+    outputs carried (`decode_tokens`; every generated token but each request's first). `decode_outputs` counts
+    those outputs: `decode_s / decode_outputs` is vLLM's mean inter-token latency, exactly (Ray's export of
+    vLLM's histogram sums bucket midpoints)."""
 
     def __init__(self, vllm_config=None, engine_index: int = 0) -> None:
         self.waiting = 0
         self.kv_usage = 0.0
         self.decode_s = 0.0
         self.decode_tokens = 0
+        self.decode_outputs = 0
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
@@ -39,6 +43,7 @@ class LatestSchedulerStats:
             self.kv_usage = scheduler_stats.kv_cache_usage
         if iteration_stats is not None:
             self.decode_s += sum(iteration_stats.inter_token_latencies_iter)
+            self.decode_outputs += len(iteration_stats.inter_token_latencies_iter)
             self.decode_tokens += iteration_stats.num_generation_tokens - len(iteration_stats.time_to_first_tokens_iter)
 
     def realised_tpot_ms(self, before: tuple[float, int]) -> tuple[float | None, tuple[float, int]]:
@@ -80,11 +85,27 @@ def process_cpu_seconds(pid: int | None = None) -> dict[str, float]:
     return {"replica": own.user + own.system, "engine": engine}
 
 
+def measured_step_ms(wcs: dict | None, before: dict | None) -> float | None:
+    """Mean runner step time (ms) between two WCS stats snapshots, over the steps the controller planned or held;
+    None when no step ran."""
+    if wcs is None:
+        return None
+    prior = before or {}
+    steps = wcs["steps"] + wcs.get("held_steps", 0) - prior.get("steps", 0) - prior.get("held_steps", 0)
+    return (wcs["step_ms"] - prior.get("step_ms", 0.0)) / steps if steps > 0 else None
+
+
 def replica_families(
-    wcs: dict | None, routing: RoutingStats | None, aborted: int | None = None, cpu: dict[str, float] | None = None
+    wcs: dict | None,
+    routing: RoutingStats | None,
+    aborted: int | None = None,
+    cpu: dict[str, float] | None = None,
+    engine: LatestSchedulerStats | None = None,
+    step_ms: float | None = None,
 ) -> list[Metric]:
-    """WCS counters (`replicas/wcs/stats.py`), the routing stats, the replica's aborts and its processes' CPU
-    time (`process_cpu_seconds`) as Prometheus families."""
+    """WCS counters (`replicas/wcs/stats.py`), the routing stats, the replica's aborts, its processes' CPU
+    time (`process_cpu_seconds`), the engine's exact inter-token latency totals and the measured step time
+    (`measured_step_ms`) as Prometheus families."""
     out: list[Metric] = []
     if cpu is not None:
         fam = CounterMetricFamily("forespark_replica_cpu_seconds", "CPU time of the replica's processes", labels=["process"])
@@ -94,6 +115,9 @@ def replica_families(
     if aborted is not None:
         # vLLM's request_success{finished_reason="abort"} does not count requests aborted by the caller.
         out.append(CounterMetricFamily("forespark_engine_aborted_requests", "streams aborted in the engine because the caller went away", value=aborted))
+    if engine is not None:
+        out.append(CounterMetricFamily("forespark_engine_inter_token_latency_seconds", "sum of vLLM's inter-token latencies (exact)", value=engine.decode_s))
+        out.append(CounterMetricFamily("forespark_engine_inter_token_latency_observations", "number of vLLM's inter-token latencies", value=engine.decode_outputs))
     if wcs is not None:
         for name, doc in (
             ("drafted", "requests that drafted position j"),
@@ -117,6 +141,8 @@ def replica_families(
         out.append(GaugeMetricFamily("forespark_wcs_launch_offset_ms", "what measured step periods add to the profiled drafter launch cost (ms)", value=wcs.get("launch_offset_ms", 0.0)))
         out.append(GaugeMetricFamily("forespark_wcs_policy_info", "the speculation policy", labels=["policy"]))
         out[-1].add_metric([wcs["policy"]], 1.0)
+    if step_ms is not None:
+        out.append(GaugeMetricFamily("forespark_replica_measured_step_ms", "measured mean step time over the last stats period (ms)", value=step_ms))
     if routing is not None:
         for name, doc in (
             ("headroom_tokens", "target tokens per step that still fit under the TPOT-SLO step cap"),
@@ -124,11 +150,65 @@ def replica_families(
             ("cap_ms", "step-time cap from the TPOT SLO (ms)"),
             ("predicted_accept_len", "predicted mean accepted length of the running batch"),
             ("tokens_per_step", "tokens per request per step over the last period"),
+            ("realised_tpot_ms", "measured ms per decoded token over the last period"),
         ):
             value = getattr(routing, name)
             if value is not None:
                 out.append(GaugeMetricFamily(f"forespark_replica_{name}", doc, value=value))
     return out
+
+
+class RayExport:
+    """Exports Prometheus families through `ray.serve.metrics`, one Ray metric per family, created on first sight.
+
+    Families carry cumulative totals; Ray counters take increments, so each export adds what a total gained
+    since the last one (a total that fell, as after an engine restart, counts on from its new value). A
+    counter series is exported from its first sight, at 0 until it gains: `rate()` then reads 0, not "no
+    data". Gauges are set every export: Ray drops a gauge that was not set for two export intervals.
+    Inside a Serve replica, Serve tags every series with its deployment, replica and application.
+    """
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, tuple[Any, tuple[str, ...]]] = {}
+        self._totals: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def _metric(self, fam: Metric, keys: tuple[str, ...]) -> Any | None:
+        known = self._metrics.get(fam.name)
+        if known is None:
+            from ray.serve import metrics
+
+            cls = metrics.Counter if fam.type == "counter" else metrics.Gauge
+            known = self._metrics[fam.name] = (cls(fam.name, fam.documentation, tag_keys=keys or None), keys)
+        if known[1] != keys:
+            logger.warning("metric %s: labels %s, exported first with %s; sample dropped", fam.name, keys, known[1])
+            return None
+        return known[0]
+
+    def export(self, families: Iterable[Metric]) -> None:
+        for fam in families:
+            if fam.type not in ("counter", "gauge"):
+                continue
+            for s in fam.samples:
+                if fam.type == "counter" and not s.name.endswith("_total"):
+                    continue
+                keys = tuple(sorted(s.labels))
+                metric = self._metric(fam, keys)
+                if metric is None:
+                    continue
+                tags = {k: str(s.labels[k]) for k in keys} or None
+                value = float(s.value)
+                if fam.type == "gauge":
+                    metric.set(value, tags=tags)
+                    continue
+                key = (fam.name, tuple(s.labels[k] for k in keys))
+                last = self._totals.get(key)
+                if last is None:
+                    metric._record(0.0, tags=tags)  # `inc` refuses 0; Ray is pinned (pyproject.toml)
+                    last = 0.0
+                gained = value - last
+                if gained > 0:
+                    metric.inc(gained, tags=tags)
+                self._totals[key] = value
 
 
 class _Families:
@@ -152,57 +232,3 @@ def replica_metrics_text(
     from prometheus_client import REGISTRY
 
     return generate_latest(REGISTRY).decode() + render(replica_families(wcs, routing, aborted, cpu))
-
-
-def merge_metrics(texts: dict[str, str]) -> str:
-    """One exposition from several replicas' texts: series gain a `replica` label; families are merged by name."""
-    merged: dict[str, Metric] = {}
-    for replica, text in sorted(texts.items()):
-        for fam in text_string_to_metric_families(text):
-            into = merged.get(fam.name)
-            if into is None:
-                into = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-            for s in fam.samples:
-                into.samples.append(type(s)(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar))
-    return render(merged.values())
-
-
-class MetricsBoard:
-    """Latest metrics text per replica (a Ray actor: replicas post, the ingress reads)."""
-
-    def __init__(self) -> None:
-        self._texts: dict[str, tuple[float, str]] = {}
-
-    def post(self, replica: str, text: str) -> None:
-        self._texts[replica] = (time.time(), text)
-
-    def texts(self, max_age_s: float = 60.0) -> dict[str, str]:
-        """Texts posted within `max_age_s` (a dead replica's last text ages out)."""
-        now = time.time()
-        self._texts = {k: v for k, v in self._texts.items() if now - v[0] <= max_age_s}
-        return {k: text for k, (_, text) in self._texts.items()}
-
-
-def metrics_board():
-    """The cluster's board actor, created by whoever asks first.
-
-    Detached: a named actor owned by the replica or ingress that happened to create it would die
-    with its owner's last handle, and every other poster would go on posting into a dead actor.
-    Stale texts age out on read; `remove_metrics_board` takes it down with the application.
-    """
-    import ray
-
-    return (
-        ray.remote(num_cpus=0)(MetricsBoard)
-        .options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True, lifetime="detached")
-        .remote()
-    )
-
-
-def remove_metrics_board() -> None:
-    import ray
-
-    try:
-        ray.kill(ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE))
-    except ValueError:  # never created
-        pass

@@ -119,7 +119,8 @@ class OpenAIEngine:
     async def start(cls, config: EngineConfig, served_model_name: str = "forespark", stat_loggers=None) -> "OpenAIEngine":
         """Start the engine (its core in its own process) and, with WCS, load or profile its step cost.
 
-        `stat_loggers`: vLLM stat-logger factories, next to vLLM's own (Prometheus) logger."""
+        `stat_loggers`: vLLM stat-logger factories, next to vLLM's own (Prometheus) logger; a
+        `PrometheusStatLogger` subclass among them (`RayPrometheusStatLogger` in a Serve replica) replaces it."""
         engine_environment(config)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext

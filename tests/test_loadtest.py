@@ -82,7 +82,7 @@ def server(tmp_path_factory):
 
 def _successes(url: str) -> float:
     """The server's own count of completed requests: vLLM's request_success counter (finished by stop or
-    length, not abort) summed over the replicas."""
+    length, not abort) summed over the replicas, as the node's Ray metrics agent exports it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -90,12 +90,12 @@ def _successes(url: str) -> float:
         s.value
         for f in text_string_to_metric_families(text)
         for s in f.samples
-        if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") in ("stop", "length")
+        if s.name == "ray_vllm_request_success_total" and s.labels.get("finished_reason") in ("stop", "length")
     )
 
 
 def _settled_successes(url: str) -> float:
-    """Replicas post their metrics every stats period: read until two reads a period apart agree."""
+    """Ray exports metrics every 2 s under `forespark serve`: read until two reads more than that apart agree."""
     last = _successes(url)
     for _ in range(10):
         time.sleep(2.5)
@@ -378,22 +378,23 @@ def test_compare_without_warm_up_measures_only_probes(tmp_path):
 
 
 def _metrics_text(replicas: dict[str, tuple[float, float, float, float]], cpu: dict[str, tuple[float, float]] | None = None) -> str:
-    """A /metrics exposition as a ForeSpark server writes it: per replica (stop, abort, ITL sum s, ITL count) and,
-    where given, (engine, replica) CPU seconds."""
-    lines = ["# TYPE vllm:request_success counter", 'vllm:request_success_total{finished_reason="stop"} 99.0']  # the ingress's own
+    """A /metrics exposition as a ForeSpark server's node exports it through Ray: per replica (stop, abort, ITL sum s,
+    ITL count) and, where given, (engine, replica) CPU seconds. vLLM's series are labelled `ReplicaId`, ForeSpark's
+    `replica` (Serve's tag)."""
+    common = 'SessionName="s",WorkerId="w"'
+    lines = ["# TYPE ray_vllm_request_success_total counter", f'ray_vllm_request_success_total{{{common},ReplicaId="",finished_reason="stop"}} 99.0']  # vLLM outside Serve
     for r, (stop, abort, _, _) in replicas.items():
-        lines += [f'vllm:request_success_total{{finished_reason="stop",replica="{r}"}} {stop}',
-                  f'vllm:request_success_total{{finished_reason="abort",replica="{r}"}} {abort}']
-    lines.append("# TYPE vllm:inter_token_latency_seconds histogram")
-    for r, (_, _, total, count) in replicas.items():
-        lines += [f'vllm:inter_token_latency_seconds_bucket{{le="+Inf",replica="{r}"}} {count}',
-                  f'vllm:inter_token_latency_seconds_sum{{replica="{r}"}} {total}',
-                  f'vllm:inter_token_latency_seconds_count{{replica="{r}"}} {count}']
-    lines += ["# TYPE process_cpu_seconds counter", "process_cpu_seconds_total 500.0"]  # the ingress's own process
-    lines.append("# TYPE forespark_replica_cpu_seconds counter")
+        lines += [f'ray_vllm_request_success_total{{{common},ReplicaId="{r}",finished_reason="stop"}} {stop}',
+                  f'ray_vllm_request_success_total{{{common},ReplicaId="{r}",finished_reason="abort"}} {abort}']
+    lines.append("# TYPE ray_forespark_engine_inter_token_latency_seconds_total counter")
+    lines += [f'ray_forespark_engine_inter_token_latency_seconds_total{{{common},replica="{r}"}} {t}' for r, (_, _, t, _) in replicas.items()]
+    lines.append("# TYPE ray_forespark_engine_inter_token_latency_observations_total counter")
+    lines += [f'ray_forespark_engine_inter_token_latency_observations_total{{{common},replica="{r}"}} {n}' for r, (_, _, _, n) in replicas.items()]
+    lines += ["# TYPE ray_process_cpu_seconds counter", f"ray_process_cpu_seconds_total{{{common}}} 500.0"]  # not a replica's
+    lines.append("# TYPE ray_forespark_replica_cpu_seconds_total counter")
     for r, (engine, actor) in (cpu or {}).items():
-        lines += [f'forespark_replica_cpu_seconds_total{{process="engine",replica="{r}"}} {engine}',
-                  f'forespark_replica_cpu_seconds_total{{process="replica",replica="{r}"}} {actor}']
+        lines += [f'ray_forespark_replica_cpu_seconds_total{{{common},process="engine",replica="{r}"}} {engine}',
+                  f'ray_forespark_replica_cpu_seconds_total{{{common},process="replica",replica="{r}"}} {actor}']
     return "\n".join(lines) + "\n"
 
 
@@ -404,7 +405,7 @@ def test_replica_loads_are_each_replicas_finished_requests_and_engine_itl_over_t
     after = counters_from_text(_metrics_text({"a": (40, 9, 1.6, 200), "b": (15, 0, 3.2, 200), "c": (10, 0, 0.0, 0)}))
     loads = replica_loads(before, after)
     assert list(loads) == ["a", "b", "c"]  # a replica that started during the run counts from zero
-    assert [loads[r].requests for r in loads] == [30, 10, 10]  # aborts and the ingress's unlabelled series are not requests
+    assert [loads[r].requests for r in loads] == [30, 10, 10]  # aborts and a series of no replica are not requests
     assert [loads[r].share for r in loads] == pytest.approx([0.6, 0.2, 0.2])
     assert loads["a"].itl_ms == pytest.approx(6.0) and loads["b"].itl_ms == pytest.approx(12.0) and loads["c"].itl_ms is None
     assert format_loads(loads) == "replicas 60%/20%/20% of requests, ITL 6.0/12.0/- ms"

@@ -118,9 +118,9 @@ def test_forespark_serve_serves_the_non_causal_pair_and_verifies_its_drafts(cali
     with forespark_serve(config, 8767, first) as (proc, r):
         assert r.json()["usage"]["completion_tokens"] == 24
         verified = 0.0
-        for _ in range(30):  # the replica posts its counters every stats period
+        for _ in range(30):  # Ray exports the replica's counters every few seconds
             text = httpx.get(f"{url}/metrics", timeout=30).text
-            verified = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("forespark_wcs_verified_tokens_total"))
+            verified = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("ray_forespark_wcs_verified_tokens_total"))
             if verified > 0:
                 break
             time.sleep(1)

@@ -1,5 +1,5 @@
 """The cluster router's parts without a cluster: routing stats, the placement score, the prompt model,
-the router's ranking and in-flight accounting, the merged /metrics, and GPU placement options.
+the router's ranking and in-flight accounting, and GPU placement options.
 
 Replicas here are stand-ins for Serve's `RunningReplica` (which needs live actors): they carry the
 id and routing stats the router reads. `tests/test_serve.py` runs the same router inside real Serve.
@@ -219,31 +219,6 @@ def test_router_keeps_the_prediction_of_a_ticketed_request_for_the_replica_it_we
         assert not loop.gate.closed()
 
     asyncio.run(go())
-
-
-def test_merged_metrics_label_each_replica():
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from replicas.metrics import merge_metrics, render, replica_families
-
-    wcs = {
-        "policy": "wcs", "k": 2, "steps": 3, "planned_requests": 4, "drafted_per_pos": [4, 2], "verified_per_pos": [3, 1],
-        "accepted_per_pos": [2, 0], "verify_steps": 3, "drafter_passes": 3, "drafter_rows": 9,
-        "planner_ms": 1.0, "draft_ms": 2.0, "target_ms": 3.0, "step_ms": 7.0,
-    }
-    a = render(replica_families(wcs, stats(3), aborted=1, cpu={"engine": 7.5, "replica": 2.0}))
-    b = render(replica_families(wcs, stats(9), aborted=0))
-    merged = {f.name: f for f in text_string_to_metric_families(merge_metrics({"a": a, "b": b}))}
-    cpu = {(s.labels["replica"], s.labels["process"]): s.value for s in merged["forespark_replica_cpu_seconds"].samples if s.name.endswith("_total")}
-    assert cpu == {("a", "engine"): 7.5, ("a", "replica"): 2.0}  # b did not report its CPU time
-    aborted = {s.labels["replica"]: s.value for s in merged["forespark_engine_aborted_requests"].samples if s.name.endswith("_total")}
-    assert aborted == {"a": 1.0, "b": 0.0}
-    waste = merged["forespark_wcs_draft_waste"].samples
-    assert {s.labels["replica"] for s in waste} == {"a", "b"} and waste[0].value == pytest.approx(2 / 6)
-    per_pos = merged["forespark_wcs_accepted_tokens"].samples
-    assert {(s.labels["position"], s.labels["replica"]) for s in per_pos if s.name.endswith("_total")} == {
-        ("1", "a"), ("2", "a"), ("1", "b"), ("2", "b"),
-    }
 
 
 def test_gpu_tensor_parallel_replicas_get_one_bundle_per_gpu():

@@ -13,11 +13,12 @@ from collections import Counter
 import httpx
 import pytest
 
-from cluster.serve_env import serve_environment
+from cluster.serve_env import local_ray_environment, serve_environment
 from replicas.engine import cpu_engine_environment
 
 cpu_engine_environment()
 serve_environment()  # as `forespark serve` runs Serve
+local_ray_environment()  # and its local Ray: metrics exported every 2 s
 
 PORT = 8765
 URL = f"http://127.0.0.1:{PORT}"
@@ -56,19 +57,34 @@ def complete(prompt="def f(x):", max_tokens=4, timeout=120, headers_extra=None, 
 
 
 def metric(text: str, name: str, **labels) -> dict[str, float]:
-    """{replica (or ""): value} of the samples of `name` matching `labels`."""
+    """{replica: summed value} of the samples of `name` matching `labels`; the replica is Serve's `replica` tag
+    (ForeSpark's series) or vLLM's `ReplicaId`, the same id."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
+    out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                out[s.labels.get("replica", "")] = s.value
+                replica = s.labels.get("replica") or s.labels.get("ReplicaId") or ""
+                out[replica] = out.get(replica, 0.0) + s.value
     return out
 
 
 def metrics() -> str:
+    """The ingress's /metrics: ForeSpark's and vLLM's series from this node's Ray metrics agent."""
     return httpx.get(f"{URL}/metrics", timeout=30).text
+
+
+def settled(read, apart_s: float = 2.5, timeout: float = 60.0):
+    """`read()` once two reads `apart_s` apart agree: Ray exports metrics every 2 s (`local_ray_environment`)."""
+    last, deadline = read(), time.time() + timeout
+    while time.time() < deadline:
+        time.sleep(apart_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"metrics still changing after {timeout} s: {last}")
 
 
 def test_openai_client_completes_and_streams_and_the_key_is_required(app):
@@ -174,31 +190,32 @@ def wait_for(predicate, timeout=60.0, every=0.5):
 
 
 def test_the_router_sends_new_requests_away_from_a_loaded_replica(app):
-    # The custom router is the one deciding (its own series, in the ingress's /metrics).
+    # The custom router is the one deciding (its own series, exported from the ingress replica).
     complete()
-    ranked = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="ranked")
-    assert ranked[""] >= 1
+    ranked = lambda: sum(metric(metrics(), "ray_forespark_router_decisions_total", router="acceptance_headroom", mode="ranked").values())  # noqa: E731
+    wait_for(lambda: ranked() >= 1, timeout=30)
     loaded, idle = sorted(replica_actors())
     load_directly(replica_actors()[loaded], requests=24, max_tokens=1000)  # long enough to outlast the check on a fast machine
-    wait_for(lambda: metric(metrics(), "vllm:num_requests_running").get(loaded, 0) >= 20)
+    wait_for(lambda: metric(metrics(), "ray_vllm_num_requests_running").get(loaded, 0) >= 20)
     time.sleep(2.0)  # two stats periods: the router has seen the load
-    before = metric(metrics(), "vllm:request_success_total", finished_reason="length")
+    successes = lambda: metric(metrics(), "ray_vllm_request_success_total", finished_reason="length")  # noqa: E731
+    before = settled(successes)
     for _ in range(8):
         assert complete(max_tokens=2).status_code == 200
-    time.sleep(1.5)  # the board's texts are refreshed every stats period
-    after = metric(metrics(), "vllm:request_success_total", finished_reason="length")
+    wait_for(lambda: sum(successes().values()) >= sum(before.values()) + 8, timeout=30)
+    after = successes()
     served = {r: after[r] - before.get(r, 0) for r in after}
     assert served.get(idle, 0) >= 7, served  # the long direct generations are still running on `loaded`
-    assert metric(metrics(), "vllm:num_requests_running").get(loaded, 0) > 0, "the load ended before the check"
+    assert metric(metrics(), "ray_vllm_num_requests_running").get(loaded, 0) > 0, "the load ended before the check"
 
 
 def test_a_client_that_disconnects_has_its_request_aborted(app):
     def aborted():
-        return sum(metric(metrics(), "forespark_engine_aborted_requests_total").values())
+        return sum(metric(metrics(), "ray_forespark_engine_aborted_requests_total").values())
 
-    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=180)
-    start_aborted = aborted()
-    generated = lambda: sum(metric(metrics(), "vllm:generation_tokens_total").values())  # noqa: E731
+    wait_for(lambda: sum(metric(metrics(), "ray_vllm_num_requests_running").values()) == 0, timeout=180)
+    start_aborted = settled(aborted)
+    generated = lambda: sum(metric(metrics(), "ray_vllm_generation_tokens_total").values())  # noqa: E731
     with httpx.stream(
         "POST", f"{URL}/v1/completions", headers=AUTH, timeout=60,
         json={"model": "forespark", "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True, "stream": True},
@@ -206,11 +223,10 @@ def test_a_client_that_disconnects_has_its_request_aborted(app):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-    tokens_at_disconnect = generated()
+    tokens_at_disconnect = generated()  # (as exported up to 2 s before: an undercount)
     wait_for(lambda: aborted() > start_aborted, timeout=30)
-    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=30)
-    time.sleep(1.0)
-    assert generated() - tokens_at_disconnect < 300  # far fewer than the 900 asked for: the engine stopped
+    wait_for(lambda: sum(metric(metrics(), "ray_vllm_num_requests_running").values()) == 0, timeout=30)
+    assert settled(generated) - tokens_at_disconnect < 300  # far fewer than the 900 asked for: the engine stopped
 
 
 def test_overload_is_turned_away_with_429_retry_after_and_an_openai_body(app):
@@ -232,14 +248,14 @@ def test_overload_is_turned_away_with_429_retry_after_and_an_openai_body(app):
 
 def test_admission_refuses_at_once_a_request_whose_own_slo_no_replica_can_meet(app):
     complete()  # the router has fresh stats (no admission on a cold start)
-    before = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="refused").get("", 0)
+    refused = lambda: sum(metric(metrics(), "ray_forespark_router_decisions_total", router="acceptance_headroom", mode="refused").values())  # noqa: E731
+    before = settled(refused)
     start = time.perf_counter()
     r = complete(headers_extra={"X-SLO-TPOT-Ms": "0.01"})
     assert r.status_code == 429 and time.perf_counter() - start < 2.0, r.text
     assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "RateLimitError"
     assert "SLO" in r.json()["error"]["message"]
-    after = metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="refused")[""]
-    assert after == before + 1
+    assert settled(refused) == before + 1
     assert complete(headers_extra={"X-SLO-TPOT-Ms": "1000", "X-SLO-TTFT-Ms": "60000"}).status_code == 200
     bad = complete(headers_extra={"X-SLO-TTFT-Ms": "soon"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
@@ -292,13 +308,13 @@ def total(text: str, name: str) -> float:
 
 def engine_requests() -> float:
     """Requests the engines have taken in, over both replicas: finished for any reason (vLLM's
-    `vllm:request_success_total`, one series per `finished_reason`), aborted by a caller that left (not
+    `ray_vllm_request_success_total`, one series per `finished_reason`), aborted by a caller that left (not
     counted by vLLM), and in flight (running or waiting in the engine's scheduler)."""
     m = metrics()
     return sum(
         total(m, name)
-        for name in ("vllm:request_success_total", "forespark_engine_aborted_requests_total",
-                     "vllm:num_requests_running", "vllm:num_requests_waiting")
+        for name in ("ray_vllm_request_success_total", "ray_forespark_engine_aborted_requests_total",
+                     "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting")
     )
 
 
@@ -322,7 +338,7 @@ def queued_behind_full_replicas(deadline_ms: str | None) -> tuple[httpx.Response
     threads = [threading.Thread(target=long_one, args=(i,)) for i in range(2 * full)]
     for t in threads:
         t.start()
-    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) >= 2 * full, timeout=60)
+    wait_for(lambda: sum(metric(metrics(), "ray_vllm_num_requests_running").values()) >= 2 * full, timeout=60)
     sent[0] = time.perf_counter()
     slo = {"X-SLO-TTFT-Ms": deadline_ms} if deadline_ms else {}
     r = complete(prompt="def late(x):", headers_extra=slo, timeout=300)
@@ -335,28 +351,25 @@ def queued_behind_full_replicas(deadline_ms: str | None) -> tuple[httpx.Response
 
 def test_a_request_whose_deadline_passes_in_the_router_queue_never_reaches_an_engine(app):
     assert app.replica.max_ongoing_requests == 3 and app.router.admission.ttft_ms > 10000
-    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=180)
+    wait_for(lambda: sum(metric(metrics(), "ray_vllm_num_requests_running").values()) == 0, timeout=180)
     complete()  # fresh stats: admission decides (no cold-start fallback)
-    time.sleep(1.5)  # the board's texts are refreshed every stats period: `before` counts that request
-    refused = lambda: metric(metrics(), "forespark_router_decisions_total", router="acceptance_headroom", mode="refused").get("", 0)  # noqa: E731
-    before, refused_before = engine_requests(), refused()
+    refused = lambda: sum(metric(metrics(), "ray_forespark_router_decisions_total", router="acceptance_headroom", mode="refused").values())  # noqa: E731
+    before, refused_before = settled(engine_requests), settled(refused)  # `before` counts that request
     r, answered, ends = queued_behind_full_replicas("1500")
     # Admitted at first (the replicas' batches had room), it waited for a free slot until its deadline was
     # predicted to pass, and was dropped there: 429 while every long generation still ran.
     assert r.status_code == 429 and r.json()["error"]["code"] == 429, r.text
     assert int(r.headers["retry-after"]) >= 1
     assert 0.5 < answered < min(ends), (answered, sorted(ends))
-    assert refused() == refused_before + 1
-    wait_for(lambda: sum(metric(metrics(), "vllm:num_requests_running").values()) == 0, timeout=60)
-    time.sleep(1.5)  # the board's texts are refreshed every stats period
-    assert engine_requests() - before == 6  # the six long ones only
+    assert settled(refused) == refused_before + 1
+    wait_for(lambda: sum(metric(metrics(), "ray_vllm_num_requests_running").values()) == 0, timeout=60)
+    assert settled(engine_requests) - before == 6  # the six long ones only
     # Control: the same request under the application's loose TTFT SLO (30 s; a header can only tighten it)
     # waits for a slot, is served, and the counters see it.
-    before = engine_requests()
+    before = settled(engine_requests)
     r, answered, ends = queued_behind_full_replicas(None)
     assert r.status_code == 200 and answered > min(ends), (r.status_code, answered, sorted(ends))
-    time.sleep(1.5)
-    assert engine_requests() - before == 7
+    assert settled(engine_requests) - before == 7
 
 
 def test_a_replica_killed_under_load_hangs_no_request_and_the_other_serves_on(app):

@@ -12,12 +12,13 @@ import httpx
 
 
 @contextmanager
-def forespark_serve(config, port: int, first_request: dict):
-    """`forespark serve --config` as a user runs it, until `first_request` (a completions body) is answered 200.
+def forespark_serve(config, port: int, first_request: dict, args: tuple[str, ...] = ()):
+    """`forespark serve --config` (and `args`) as a user runs it, until `first_request` (a completions body) is
+    answered 200.
 
     Yields (process, that response); SIGTERM on exit. The process's output is `process.output` afterwards."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", str(port)],
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}, "PYTHONPATH": os.getcwd()},
     )
@@ -111,12 +112,12 @@ def test_serve_run_of_the_shipped_local_manifest_serves_the_same_application(tmp
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(2)
         assert status == 200 and r.json()["usage"]["completion_tokens"] == 4
-        for _ in range(30):  # replicas post their metrics every stats period
+        for _ in range(30):  # Ray exports the replicas' metrics every few seconds
             metrics = httpx.get("http://127.0.0.1:8767/metrics", timeout=30).text
-            if "forespark_replica_headroom_tokens" in metrics:
+            if "ray_forespark_replica_headroom_tokens" in metrics and "ray_vllm_generation_tokens" in metrics:
                 break
             time.sleep(1)
-        assert "forespark_replica_headroom_tokens" in metrics and "vllm:generation_tokens" in metrics
+        assert "ray_forespark_replica_headroom_tokens" in metrics and "ray_vllm_generation_tokens" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         try:

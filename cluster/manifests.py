@@ -1,6 +1,6 @@
 """Offline validation of every manifest we ship: `forespark manifests check`.
 
-Three kinds, told apart by their content:
+Four kinds, told apart by their content:
 
 - `ray up` cluster YAMLs (`provider:`): Ray's own `prepare_config` + `validate_config`
   (the JSON schema `ray up` applies; unknown keys are errors), and every `ray start` with
@@ -10,7 +10,10 @@ Three kinds, told apart by their content:
   router's `RequestRouterConfig` builds (it imports the router class), and the bound application builds;
 - KubeRay `RayService`s: the embedded `serveConfigV2` through the Serve checks, the Ray version
   pinned by this project, Serve's settings in every container's env, and GPU worker groups
-  large enough for the replicas' tensor parallelism.
+  large enough for the replicas' tensor parallelism;
+- Grafana dashboards (`panels:`, under `manifests/grafana/`): `cluster.dashboard.check_dashboard`
+  (every panel queries ForeSpark's or vLLM's series as Ray exports them, through the datasource
+  variable); `tests/test_metrics_ray.py` checks those series against a running application.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ def kind_of(doc: Any) -> str:
     if isinstance(doc, dict):
         if doc.get("kind") == "RayService":
             return "rayservice"
+        if "panels" in doc:
+            return "grafana"
         if "applications" in doc:
             return "serve"
         if "provider" in doc:
             return "cluster"
-    raise ManifestError("not a manifest this project ships: expected a ray up cluster config, a Serve config or a RayService")
+    raise ManifestError(
+        "not a manifest this project ships: expected a ray up cluster config, a Serve config, a RayService or a Grafana dashboard"
+    )
 
 
 def check_cluster(doc: dict) -> None:
@@ -141,7 +148,16 @@ def check_rayservice(doc: dict) -> None:
             raise ManifestError(f"RayService: no worker group has {tp} GPUs per pod for tensor_parallel_size {tp} (groups: {gpus})")
 
 
-CHECKS = {"cluster": check_cluster, "serve": check_serve, "rayservice": check_rayservice}
+def check_grafana(doc: dict) -> None:
+    from cluster.dashboard import check_dashboard
+
+    try:
+        check_dashboard(doc)
+    except ValueError as e:
+        raise ManifestError(str(e)) from None
+
+
+CHECKS = {"cluster": check_cluster, "serve": check_serve, "rayservice": check_rayservice, "grafana": check_grafana}
 
 
 def check_file(path: Path) -> str:
@@ -156,4 +172,4 @@ def check_file(path: Path) -> str:
 
 
 def shipped_manifests() -> list[Path]:
-    return sorted(MANIFESTS_DIR.glob("*.yaml"))
+    return sorted(MANIFESTS_DIR.glob("*.yaml")) + sorted(MANIFESTS_DIR.glob("grafana/*.json"))

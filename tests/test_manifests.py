@@ -18,10 +18,10 @@ def test_forespark_manifests_check_passes_on_everything_shipped():
     kinds = {p.name: check_file(p) for p in shipped_manifests()}
     assert kinds == {
         "ray-cluster-aws.yaml": "cluster", "ray-cluster-gcp.yaml": "cluster", "rayservice.yaml": "rayservice",
-        "serve-gpu.yaml": "serve", "serve-local.yaml": "serve",
+        "serve-gpu.yaml": "serve", "serve-local.yaml": "serve", "forespark.json": "grafana",
     }
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "check"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "5 of 5 manifests valid" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "6 of 6 manifests valid" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_the_rayservice_embeds_the_gpu_serve_config():

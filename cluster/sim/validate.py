@@ -117,23 +117,26 @@ def simulate_rows(fleet: FleetConfig, rows: list[RequestRow], load: LoadTestConf
 
 def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLOConfig, replicas: int, port: int,
               work: Path) -> dict[tuple[str, float, int], list[RequestRow]]:
-    """(policy, rate, seed) -> the real load test's rows; one server per policy, its runs in the order given."""
+    """(policy, rate, seed) -> the real load test's rows; one server per policy, its runs in the order given. A run
+    whose rows are already in `work` (an earlier validation's: `--reuse`) is read, not measured again."""
     from loadtest.compare import VARIANTS, ServerProcess, variant_app_config
     from loadtest.report import read_rows
     from loadtest.run import run_loadtest
 
-    found = {}
-    for policy in dict.fromkeys(p for p, _, _ in runs):
+    def out(policy: str, rate: float, seed: int) -> Path:
+        return work / policy / f"rate-{rate:g}-seed-{seed}"
+
+    found = {run: read_rows(out(*run)) for run in runs if any(out(*run).glob("requests-*.csv"))}
+    for policy in dict.fromkeys(run[0] for run in runs if run not in found):
         app = variant_app_config({"replica": {"num_replicas": replicas}}, VARIANTS[policy], slo)
         (work / policy).mkdir(parents=True, exist_ok=True)
         with ServerProcess(app, port, work / policy) as server:
-            for p, rate, seed in runs:
-                if p == policy:
-                    out = work / policy / f"rate-{rate:g}-seed-{seed}"
-                    run = load.model_copy(update={"url": server.url, "out_dir": out, "rate": rate, "seed": seed})
-                    run_loadtest(run, slo, progress=True, plots=False)
-                    found[(policy, rate, seed)] = read_rows(out)
-    return found
+            for run in [r for r in runs if r[0] == policy and r not in found]:
+                _, rate, seed = run
+                config = load.model_copy(update={"url": server.url, "out_dir": out(*run), "rate": rate, "seed": seed})
+                run_loadtest(config, slo, progress=True, plots=False)
+                found[run] = read_rows(out(*run))
+    return {run: found[run] for run in runs}
 
 
 def fit_host(base: FleetConfig, rows: list[RequestRow], load: LoadTestConfig, slo: SLOConfig, seed: int, policy: str) -> HostFit:
@@ -171,15 +174,18 @@ def ordering_matches(real: dict[str, float], sim: dict[str, float]) -> bool:
 
 def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo: SLOConfig, replicas: int = 2,
              port: int = 8100, seed: int = 0, real_compare: Path | None = None, work: Path | None = None,
-             calibration_rate: float | None = None, log=print) -> ValidateResult:
-    """The cases are every (policy, rate) at `seed`; the host overheads are fitted on one more real run of the
-    first policy at `calibration_rate` (default the middle rate) with another seed, which no case shares."""
+             calibration_rate: float | None = None, calibration_policy: str | None = None, log=print) -> ValidateResult:
+    """The cases are every (policy, rate) at `seed`; the host overheads are fitted on one more real run of
+    `calibration_policy` (default `ar`, whose steps hold no acceptance to get wrong, else the first policy) at
+    `calibration_rate` (default the middle rate) with another seed, which no case shares. `work` may hold an
+    earlier validation's real runs, which are reused."""
     from replicas.models.build import WEIGHTS_DIR
 
     traces = WEIGHTS_DIR / "traces.npz"
     profile = deployment_profile(replicas)
     work = work or Path(tempfile.mkdtemp(prefix="forespark-validate-"))
-    calibration = (policies[0], calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
+    cal_policy = calibration_policy or ("ar" if "ar" in policies else policies[0])
+    calibration = (cal_policy, calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
     runs = real_runs([calibration] + [(p, r, seed) for p in policies for r in rates], load, slo, replicas, port, work)
     if not profile.exists():  # (the real servers profile their engines at start when this host has no profile yet)
         raise FileNotFoundError(f"no step-cost profile at {profile}: the real replicas did not profile where expected")

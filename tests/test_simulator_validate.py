@@ -1,0 +1,24 @@
+"""`forespark simulate validate` end to end on a small case: a real `forespark serve` (one replica, real Ray
+Serve, real HTTP, real Locust) against the simulator replaying the same requests. Short, so that the
+real-vs-simulated path keeps working; the figures of the full run are in docs/results.md."""
+
+from __future__ import annotations
+
+import math
+
+from cluster.sim.validate import METRICS, validate
+from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.run import free_port
+
+
+def test_a_small_validation_runs_the_real_stack_and_the_simulator_on_the_same_requests(tmp_path):
+    load = LoadTestConfig(url="http://127.0.0.1", rate=1.0, duration_s=8.0, drain_s=30.0, max_tokens=32, seed=3)
+    slo = SLOConfig(ttft_ms=2000.0, tpot_ms=50.0)
+    result = validate(["wcs"], [2.0], load, slo, replicas=1, port=free_port(), seed=3, work=tmp_path, log=lambda _: None)
+    (case,) = result.cases
+    assert case.requests >= 5
+    assert all(case.real[k] is not None and case.sim[k] is not None for k in METRICS)
+    assert all(math.isfinite(v) for v in case.error.values() if v is not None)
+    # At light load both deliver what is offered: the simulated throughput cannot be far from the real one.
+    assert case.error["throughput"] < 0.3
+    assert result.host.rate == 2.0 and result.host.seed == 1003  # fitted on its own run, not on the case's

@@ -205,7 +205,7 @@ def test_keyed_draws_are_uniform_and_common_to_every_policy():
 
 
 def test_validation_fits_a_known_host_overhead_back_and_errors_are_relative():
-    """Rows from a simulated 'real' fleet whose host spends 2 ms of CPU per token: the fit finds about that,
+    """Rows from a simulated 'real' fleet whose host spends 3 ms of CPU per output event: the fit finds about that,
     and the fitted simulator then reproduces the rows' TPOT; an unfitted one (the control) does not."""
     from cluster.sim.fleet import HostModel
     from cluster.sim.validate import fit_host, metrics, relative_errors, simulate_rows
@@ -214,15 +214,15 @@ def test_validation_fits_a_known_host_overhead_back_and_errors_are_relative():
     from replicas.models.build import WEIGHTS_DIR
 
     base = FleetConfig(replicas=2, profile="cpu-embedded", traces=WEIGHTS_DIR / "traces.npz")
-    truth = base.model_copy(update={"host": HostModel(cores=2.0, token_cpu_ms=2.0), "request_ms": 30.0})
-    load = LoadTestConfig(url="http://x", rate=8.0, duration_s=6.0, drain_s=30.0, max_tokens=48, seed=5)
+    truth = base.model_copy(update={"host": HostModel(cores=2.0, event_cpu_ms=3.0), "request_ms": 30.0})
+    load = LoadTestConfig(url="http://x", rate=12.0, duration_s=6.0, drain_s=30.0, max_tokens=48, seed=5)
     real_rows = Fleet(variant_fleet(truth, VARIANTS["wcs"], SLO), seed=5).run(
-        LoadConfig(rate=8.0, duration_s=6.0, drain_s=30.0, max_tokens=48, seed=5))
-    real = metrics(build_report(real_rows, SLO, 8.0, 6.0))
+        LoadConfig(rate=12.0, duration_s=6.0, drain_s=30.0, max_tokens=48, seed=5))
+    real = metrics(build_report(real_rows, SLO, 12.0, 6.0))
     fit = fit_host(base, real_rows, load, SLO, seed=5, policy="wcs")
-    assert fit.token_cpu_ms == pytest.approx(2.0, abs=0.6)
+    assert fit.event_cpu_ms == pytest.approx(3.0, rel=0.3)
     assert fit.request_ms == pytest.approx(30.0, abs=10.0)
-    fitted = base.model_copy(update={"host": HostModel(cores=fit.cores, token_cpu_ms=fit.token_cpu_ms), "request_ms": fit.request_ms})
+    fitted = base.model_copy(update={"host": HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms), "request_ms": fit.request_ms})
     good = relative_errors(real, metrics(simulate_rows(variant_fleet(fitted, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
     bad = relative_errors(real, metrics(simulate_rows(variant_fleet(base, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
     assert good["tpot_p50"] < 0.1 < bad["tpot_p50"]

@@ -97,6 +97,7 @@ class SimEngine:
         self.decode_tokens = 0
         self.steps = 0
         self.emitted = 0  # tokens emitted so far
+        self.outputs = 0  # output events so far: a request's tokens of one step, streamed as one message
         self._stats_before: tuple[dict, tuple[float, int]] | None = None
         self._mix = StepMix()
 
@@ -229,6 +230,7 @@ class SimEngine:
                     self.decode_tokens += int(emitted[i])
                 r.generated += int(emitted[i])
                 self.emitted += int(emitted[i])
+                self.outputs += 1
                 r.kv_tokens += int(emitted[i]) if not prefilling[i] else 0
             r.verify = int(verify[i])
             r.accept_len = int(draw.accept_len[i]) if draw is not None and verify[i] else 0

@@ -53,18 +53,20 @@ VLLM_ADAPTIVE = "vllm-adaptive"  # vLLM's own adaptive verification (cluster/sim
 
 
 class HostModel(BaseModel):
-    """Engines that share their host's CPUs with the serving path (CPU replicas): each emitted token costs the
-    replica's output processing, the ingress's relay, the proxy and the load generator `token_cpu_ms` of CPU
-    on the same cores, and the busy engines share what is left. A GPU replica's engine does not share: no
-    host model."""
+    """Engines that share their host's CPUs with the serving path (CPU replicas). Each output event (a
+    request's tokens of one step, one streamed message) costs the replica's output processing, the
+    ingress's relay, the proxy and the load generator `event_cpu_ms` of CPU. While the busy engines (a core
+    each at most) and the serving path together want more than the cores, every process gets its share of
+    the overload (the kernel's fair scheduler), and each engine's step runs that much slower. A GPU
+    replica's engine does not share: no host model."""
 
     cores: float = Field(gt=0, description="CPUs the engines and the serving path share")
-    token_cpu_ms: float = Field(default=0.0, ge=0, description="serving-path CPU per emitted token")
-    window_s: float = Field(default=1.0, gt=0, description="the token rate is averaged over about this long")
+    event_cpu_ms: float = Field(default=0.0, ge=0, description="serving-path CPU per output event")
+    window_s: float = Field(default=1.0, gt=0, description="the event rate is averaged over about this long")
 
-    def speed(self, busy_engines: int, tokens_per_s: float) -> float:
-        left = max(self.cores - tokens_per_s * self.token_cpu_ms / 1000.0, 0.1 * self.cores)
-        return min(1.0, left / max(busy_engines, 1))
+    def speed(self, busy_engines: int, events_per_s: float) -> float:
+        demand = busy_engines + events_per_s * self.event_cpu_ms / 1000.0
+        return min(1.0, self.cores / max(demand, 1e-9))
 
 
 class FleetConfig(BaseModel):
@@ -203,7 +205,7 @@ class Fleet:
         self.placed: dict[str, int] = {}
         self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}
         self.emitted_by_end = 0
-        self._token_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
+        self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
 
     # -- routing -------------------------------------------------------------------------------------------
     def _refresh_stats(self, now: float) -> None:
@@ -263,21 +265,21 @@ class Fleet:
             self.loop.routed(r.ticket, i, float(ttft[i]), float(tpot[i]), now)
         return pick
 
-    def _count_tokens(self, now: float) -> None:
-        """The fleet's emitted-token rate, an exponential average over `host.window_s` (for the host model)."""
+    def _count_outputs(self, now: float) -> None:
+        """The fleet's output-event rate, an exponential average over `host.window_s` (for the host model)."""
         if self.config.host is None:
             return
-        emitted = sum(e.emitted for e in self.engines)
+        emitted = sum(e.outputs for e in self.engines)
         dt = now - self._rate_at
         if dt > 0:
             w = math.exp(-dt / self.config.host.window_s)
-            self._token_rate = w * self._token_rate + (1 - w) * (emitted - self._emitted_seen) / dt
+            self._event_rate = w * self._event_rate + (1 - w) * (emitted - self._emitted_seen) / dt
             self._rate_at, self._emitted_seen = now, emitted
 
     def _speed(self, stepping: list[bool], now: float) -> float:
         if self.config.host is None:
             return 1.0
-        return self.config.host.speed(sum(stepping), self._token_rate)
+        return self.config.host.speed(sum(stepping), self._event_rate)
 
     # -- the run -------------------------------------------------------------------------------------------
     def run(self, load: LoadConfig, progress: bool = False, requests: list[SimRequest] | None = None) -> list[RequestRow]:
@@ -352,7 +354,7 @@ class Fleet:
                 heapq.heappush(events, (now + result.duration_s, next(seq), "stepped", (i, result.finished)))
             elif kind == "stepped":
                 i, finished = payload
-                self._count_tokens(now)
+                self._count_outputs(now)
                 stepping[i] = False
                 for r in finished:
                     self.in_flight[i] -= 1

@@ -49,11 +49,11 @@ class Case(BaseModel):
 
 class HostFit(BaseModel):
     """What the host adds beyond the profiled engines, fitted on one real run (the calibration case): the serving
-    path's CPU per emitted token on the cores the engines share (`HostModel`), and the HTTP path's time to a
+    path's CPU per output event on the cores the engines share (`HostModel`), and the HTTP path's time to a
     first token."""
 
     cores: float
-    token_cpu_ms: float
+    event_cpu_ms: float
     request_ms: float
     policy: str
     rate: float
@@ -140,14 +140,14 @@ def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLO
 
 
 def fit_host(base: FleetConfig, rows: list[RequestRow], load: LoadTestConfig, slo: SLOConfig, seed: int, policy: str) -> HostFit:
-    """The serving path's CPU per token whose simulated TPOT p50 matches the real one (bisection: TPOT grows with
-    it), then the request overhead that closes the TTFT p50 gap."""
+    """The serving path's CPU per output event whose simulated TPOT p50 matches the real one (bisection: TPOT
+    grows with it), then the request overhead that closes the TTFT p50 gap."""
     real = build_report(rows, slo, load.rate, load.duration_s)
     fleet = variant_fleet(base, SIM_VARIANTS[policy], slo)
     cores = float(os.cpu_count() or 1)
 
-    def simulated(token_cpu_ms: float, request_ms: float = 0.0) -> LoadTestReport:
-        cfg = fleet.model_copy(update={"host": HostModel(cores=cores, token_cpu_ms=token_cpu_ms), "request_ms": request_ms})
+    def simulated(event_cpu_ms: float, request_ms: float = 0.0) -> LoadTestReport:
+        cfg = fleet.model_copy(update={"host": HostModel(cores=cores, event_cpu_ms=event_cpu_ms), "request_ms": request_ms})
         return simulate_rows(cfg, rows, load, slo, seed)
 
     lo, hi = 0.0, 20.0
@@ -157,9 +157,9 @@ def fit_host(base: FleetConfig, rows: list[RequestRow], load: LoadTestConfig, sl
             lo = mid
         else:
             hi = mid
-    token = (lo + hi) / 2
-    gap = (real.ttft_ms.p50 or 0.0) - (simulated(token).ttft_ms.p50 or 0.0)
-    return HostFit(cores=cores, token_cpu_ms=token, request_ms=max(gap, 0.0), policy=policy, rate=load.rate, seed=seed)
+    event = (lo + hi) / 2
+    gap = (real.ttft_ms.p50 or 0.0) - (simulated(event).ttft_ms.p50 or 0.0)
+    return HostFit(cores=cores, event_cpu_ms=event, request_ms=max(gap, 0.0), policy=policy, rate=load.rate, seed=seed)
 
 
 def ordering_matches(real: dict[str, float], sim: dict[str, float]) -> bool:
@@ -192,9 +192,9 @@ def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo:
     base = FleetConfig(replicas=replicas, profile=str(profile), traces=traces)
     cal_policy, cal_rate, cal_seed = calibration
     host = fit_host(base, runs.pop(calibration), load.model_copy(update={"rate": cal_rate, "seed": cal_seed}), slo, cal_seed, cal_policy)
-    log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.token_cpu_ms:.2f} ms of CPU per token "
+    log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.event_cpu_ms:.2f} ms of CPU per output event "
         f"on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
-    base = base.model_copy(update={"host": HostModel(cores=host.cores, token_cpu_ms=host.token_cpu_ms), "request_ms": host.request_ms})
+    base = base.model_copy(update={"host": HostModel(cores=host.cores, event_cpu_ms=host.event_cpu_ms), "request_ms": host.request_ms})
     cases = []
     for (policy, rate, _), rows in runs.items():
         real = build_report(rows, slo, rate, load.duration_s)

@@ -174,7 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from cluster.sim.validate import validate
+    from cluster.sim.validate import ValidateResult, validate
     from loadtest.config import LoadTestConfig, SLOConfig
 
     slo = SLOConfig.load(args.slo)
@@ -186,7 +186,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",")]
     result = validate(policies, rates, load, slo, replicas=args.replicas, port=args.port, seed=args.seed,
                       real_compare=Path(args.real_compare) if args.real_compare else None, calibration_rate=args.calibration_rate,
-                      calibration_policy=args.calibration_policy, work=Path(args.reuse) if args.reuse else None)
+                      calibration_policy=args.calibration_policy, work=Path(args.reuse) if args.reuse else None,
+                      host=ValidateResult.model_validate_json(Path(args.host_from).read_text()).host if args.host_from else None)
     print("median relative error: " + ", ".join(f"{k} {'-' if v is None else f'{v:.1%}'}" for k, v in result.median_error.items()))
     if result.ordering_matches is not None:
         print(f"sustainable-rate ordering (crossing rates) real {result.ordering['real']}, simulated {result.ordering['sim']}: "
@@ -270,6 +271,7 @@ def add_parser(sub) -> None:
     val.add_argument("--calibration-rate", type=float, default=None, help="the real run the host overheads are fitted on "
                      "(another seed; default the middle rate)")
     val.add_argument("--calibration-policy", default=None, help="the policy of that run (default ar when validated, else the first)")
+    val.add_argument("--host-from", metavar="PATH", help="take the host model from an earlier validation's JSON (no calibration run)")
     val.add_argument("--reuse", metavar="DIR", help="a folder of real runs (an earlier validation's, e.g. results/sim/validate-real): "
                      "runs found there are read, missing ones measured into it")
     val.add_argument("--real-compare", metavar="PATH", help="a `forespark compare` JSON whose policy ordering the simulator must match")

@@ -174,11 +174,13 @@ def ordering_matches(real: dict[str, float], sim: dict[str, float]) -> bool:
 
 def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo: SLOConfig, replicas: int = 2,
              port: int = 8100, seed: int = 0, real_compare: Path | None = None, work: Path | None = None,
-             calibration_rate: float | None = None, calibration_policy: str | None = None, log=print) -> ValidateResult:
+             calibration_rate: float | None = None, calibration_policy: str | None = None, host: HostFit | None = None,
+             log=print) -> ValidateResult:
     """The cases are every (policy, rate) at `seed`; the host overheads are fitted on one more real run of
     `calibration_policy` (default `ar`, whose steps hold no acceptance to get wrong, else the first policy) at
     `calibration_rate` (default the middle rate) with another seed, which no case shares. `work` may hold an
-    earlier validation's real runs, which are reused."""
+    earlier validation's real runs, which are reused. `host`: a fit from another validation, used as it is (no
+    calibration run): the strictest test of settings the model was not fitted on."""
     from replicas.models.build import WEIGHTS_DIR
 
     traces = WEIGHTS_DIR / "traces.npz"
@@ -186,14 +188,16 @@ def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo:
     work = work or Path(tempfile.mkdtemp(prefix="forespark-validate-"))
     cal_policy = calibration_policy or ("ar" if "ar" in policies else policies[0])
     calibration = (cal_policy, calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
-    runs = real_runs([calibration] + [(p, r, seed) for p in policies for r in rates], load, slo, replicas, port, work)
+    cases_runs = [(p, r, seed) for p in policies for r in rates]
+    runs = real_runs(([] if host else [calibration]) + cases_runs, load, slo, replicas, port, work)
     if not profile.exists():  # (the real servers profile their engines at start when this host has no profile yet)
         raise FileNotFoundError(f"no step-cost profile at {profile}: the real replicas did not profile where expected")
     base = FleetConfig(replicas=replicas, profile=str(profile), traces=traces)
-    cal_policy, cal_rate, cal_seed = calibration
-    host = fit_host(base, runs.pop(calibration), load.model_copy(update={"rate": cal_rate, "seed": cal_seed}), slo, cal_seed, cal_policy)
-    log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.event_cpu_ms:.2f} ms of CPU per output event "
-        f"on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
+    if host is None:
+        cal_policy, cal_rate, cal_seed = calibration
+        host = fit_host(base, runs.pop(calibration), load.model_copy(update={"rate": cal_rate, "seed": cal_seed}), slo, cal_seed, cal_policy)
+        log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.event_cpu_ms:.2f} ms of CPU per output event "
+            f"on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
     base = base.model_copy(update={"host": HostModel(cores=host.cores, event_cpu_ms=host.event_cpu_ms), "request_ms": host.request_ms})
     cases = []
     for (policy, rate, _), rows in runs.items():

@@ -92,14 +92,19 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cluster.sim.compare import VARIANTS, simulate_load, variant_fleet
-    from loadtest.report import format_report
+    from cluster.sim.compare import VARIANTS, variant_fleet
+    from cluster.sim.fleet import Fleet
+    from loadtest.report import build_report, format_report, plot_report
 
     fleet, load, slo = _inputs(args, args.rate)
     fleet = variant_fleet(fleet, VARIANTS[args.variant], slo)
     print(_label(fleet))
-    report = simulate_load(fleet, load, slo, seed=args.seed, progress=True)
+    rows = Fleet(fleet, seed=args.seed).run(load, progress=True)
+    report = build_report(rows, slo, load.rate, load.duration_s)
     print(format_report(report))
+    if args.png:
+        plot_report(rows, report, Path(args.png))
+        print(f"wrote {args.png}")
     _write(args.json, {"simulated": True, "profile": fleet.profile, "acceptance": fleet.acceptance,
                        "variant": args.variant, "replicas": fleet.replicas, **report.model_dump(mode="json")})
     return 0
@@ -123,6 +128,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for key, value in result.ratios.items():
         extra = f" (sensitivity band {band[key][0]:.2f}-{band[key][1]:.2f})" if key in band else ""
         print(f"{key}: {'-' if value is None else f'{value:.2f}x'}{extra}")
+    if args.png:
+        from loadtest.capacity import plot_capacity
+
+        plot_capacity({name: v.capacity for name, v in result.variants.items()}, Path(args.png))
+        print(f"wrote {args.png}")
     _write(args.json, {**result.model_dump(mode="json"), "sensitivity": sensitivity, "band": band})
     return 0
 
@@ -230,6 +240,8 @@ def add_parser(sub) -> None:
         p.add_argument("--burst-rate", type=float, default=0.0)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", metavar="PATH", help="write the JSON result here")
+        p.add_argument("--png", metavar="PATH", help="run: latency CDFs and attainment over time; compare: attainment and "
+                       "goodput against rate per variant")
 
     sim = sub.add_parser("simulate", help="the fleet simulator: the real WCS controller and router over modelled engines")
     ss = sim.add_subparsers(dest="simulate", required=True)

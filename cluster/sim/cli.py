@@ -99,14 +99,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     fleet, load, slo = _inputs(args, args.rate)
     fleet = variant_fleet(fleet, VARIANTS[args.variant], slo)
     print(_label(fleet))
-    rows = Fleet(fleet, seed=args.seed).run(load, progress=True)
+    sim = Fleet(fleet, seed=args.seed)
+    rows = sim.run(load, progress=True)
     report = build_report(rows, slo, load.rate, load.duration_s)
     print(format_report(report))
     if args.png:
         plot_report(rows, report, Path(args.png))
         print(f"wrote {args.png}")
     _write(args.json, {"simulated": True, "profile": fleet.profile, "acceptance": fleet.acceptance,
-                       "variant": args.variant, "replicas": fleet.replicas, **report.model_dump(mode="json")})
+                       "variant": args.variant, "replicas": fleet.replicas, "router_decisions": sim.decisions,
+                       **report.model_dump(mode="json")})
     return 0
 
 

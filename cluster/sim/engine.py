@@ -38,8 +38,6 @@ class EngineSpec(BaseModel):
     block_size: int = Field(default=16, ge=1, description="tokens per KV block")
     noise_sd: float = Field(default=0.03, ge=0, description="lognormal step-time noise")
     tpot_slo_ms: float = Field(default=20.0, gt=0, description="the replica's TPOT SLO (its routing stats' cap)")
-    host_step_ms: float = Field(default=0.0, ge=0, description="what the host adds to each step beyond the profiled engine "
-                                "(the replica's output streaming, other processes on its CPUs; `simulate validate` fits it)")
 
 
 @dataclass
@@ -216,7 +214,7 @@ class SimEngine:
                 for r in batch:
                     r.deferred += tokens[r.id]
         noise = math.exp(self.rng.normal(0.0, self.spec.noise_sd)) if self.spec.noise_sd else 1.0
-        period_ms = (self.true_cost.step_ms(n, drafted, target) + context_ms) * noise / speed + self.spec.host_step_ms
+        period_ms = (self.true_cost.step_ms(n, drafted, target) + context_ms) * noise / speed
         planned = n + int(verified.sum())
         ctl.observe_step(n, drafted, planned, period_ms, target - planned, context_rows, context_ms)
         end = now + period_ms / 1e3

@@ -202,8 +202,7 @@ class Fleet:
         self.in_flight = np.zeros(n)
         self.baseline = np.zeros(n)
         self.arrays: FleetArrays | None = None
-        self.placed: dict[str, int] = {}
-        self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}
+        self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}  # as the router counts them
         self.emitted_by_end = 0
         self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
 
@@ -325,7 +324,6 @@ class Fleet:
                 bar.update()
                 return True
             r.sent_s = now
-            self.placed[r.id] = choice
             self.in_flight[choice] += 1
             self.engines[choice].add(r)
             start(choice, now)

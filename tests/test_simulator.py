@@ -248,3 +248,22 @@ def test_a_sensitivity_corner_moves_the_roofline_and_only_a_roofline_takes_one()
     assert fast.step_ms(64, 0, 64) < nominal.step_ms(64, 0, 64) < slow.step_ms(64, 0, 64)
     with pytest.raises(ValueError, match="roofline"):
         load_profile("cpu-embedded", efficiency={"mfu": 0.5})
+
+
+def test_a_fleet_description_builds_its_groups_and_replicas_without_a_drafter_never_draft():
+    from pathlib import Path
+
+    from cluster.sim.fleet import FleetDescription
+
+    shipped = {p.stem: FleetDescription.load(p) for p in sorted(Path("manifests/fleets").glob("*.yaml"))}
+    assert set(shipped) == {"mixed-h100-h200", "quarter-no-drafter"}
+    assert sum(g.count for g in shipped["mixed-h100-h200"].groups) == 64
+    small = FleetDescription.model_validate({"name": "t", "groups": [
+        {"profile": "h100-8b-tp1", "count": 2}, {"profile": "h200-8b-tp2", "count": 1, "drafter": False}]})
+    fleet = Fleet(FleetConfig(groups=small.groups, router="lor"), seed=0)  # (spread: every replica serves)
+    assert fleet.config.replicas == 3
+    assert [e.true_cost for e in fleet.engines] == [load_profile("h100-8b-tp1").cost] * 2 + [load_profile("h200-8b-tp2").cost]
+    rows = fleet.run(LoadConfig(rate=60.0, duration_s=3.0, max_tokens=32))
+    assert all(r.status == 200 for r in rows)
+    drafted = [e.ctl.stats.drafted for e in fleet.engines]
+    assert drafted[2] == 0 and drafted[0] > 0 and drafted[1] > 0  # the control: replicas with a drafter draft

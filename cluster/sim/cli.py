@@ -28,7 +28,7 @@ def _write(path: str | None, payload: dict) -> None:
 def _inputs(args: argparse.Namespace, rate: float):
     from cluster.admission import AdmissionConfig
     from cluster.sim.engine import EngineSpec
-    from cluster.sim.fleet import FleetConfig, LoadConfig
+    from cluster.sim.fleet import FleetConfig, FleetDescription, LoadConfig
     from loadtest.config import SLOConfig, Shape
 
     slo = SLOConfig.load(args.slo)
@@ -40,7 +40,8 @@ def _inputs(args: argparse.Namespace, rate: float):
                       max_tokens=args.max_tokens, seed=args.seed)
     admission = AdmissionConfig(ttft_ms=slo.ttft_ms or 1000.0, tpot_ms=slo.tpot_ms) if args.admission else None
     engine = EngineSpec(max_num_seqs=args.max_num_seqs, tpot_slo_ms=slo.tpot_ms or EngineSpec().tpot_slo_ms)
-    fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine,
+    groups = FleetDescription.load(args.fleet).groups if args.fleet else None
+    fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine, groups=groups,
                         traces=Path(args.traces) if args.traces else None,
                         max_ongoing_requests=args.max_num_seqs, admission=admission)
     return fleet, load, slo
@@ -224,6 +225,7 @@ def add_parser(sub) -> None:
         p.add_argument("--traces", metavar="PATH", help="replay these recorded acceptance traces instead (e.g. the embedded "
                        "pair's replicas/models/weights/traces.npz, with --profile cpu-embedded)")
         p.add_argument("--replicas", type=int, default=2)
+        p.add_argument("--fleet", metavar="PATH", help="a heterogeneous fleet (manifests/fleets/*.yaml); replaces --replicas and --profile")
         p.add_argument("--max-num-seqs", type=int, default=64, help="each engine's batch (and Serve's max_ongoing_requests)")
         p.add_argument("--admission", action="store_true", help="SLO-aware admission at the ingress (cluster/admission.py)")
         p.add_argument("--duration", type=float, default=duration, help=f"simulated seconds of arrivals (default {duration:g})")

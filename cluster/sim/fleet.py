@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 from cluster.admission import AdmissionConfig, AdmissionLoop, DrainMeter, estimated_prompt_tokens
@@ -69,6 +69,33 @@ class HostModel(BaseModel):
         return min(1.0, self.cores / max(demand, 1e-9))
 
 
+class ReplicaGroup(BaseModel):
+    """Replicas alike: a cost profile, how many, and whether they have a drafter (without one, an engine runs
+    autoregressive decoding whatever the policy)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: str
+    count: int = Field(ge=1)
+    drafter: bool = True
+
+
+class FleetDescription(BaseModel):
+    """A heterogeneous fleet as a YAML file describes it (`manifests/fleets/*.yaml`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    groups: list[ReplicaGroup] = Field(min_length=1)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FleetDescription":
+        import yaml
+
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+
+
 class FleetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -83,11 +110,24 @@ class FleetConfig(BaseModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     max_ongoing_requests: int = Field(default=64, ge=1)
     stats_period_s: float = Field(default=1.0, gt=0)
+    groups: list[ReplicaGroup] | None = Field(default=None, description="a heterogeneous fleet (replaces `replicas` and "
+                                                "`profile`: `FleetDescription.groups`)")
     admission: AdmissionConfig | None = Field(default=None, description="None: admission off")
     chars_per_token: float = Field(default=3.5, gt=0, description="prompt tokens from the shipped prompts' characters")
     request_ms: float = Field(default=0.0, ge=0, description="what the HTTP path adds to a request's TTFT (proxy, ingress, "
                               "tokenizing, the first chunk's way back; `simulate validate` fits it)")
     host: HostModel | None = Field(default=None, description="engines sharing the host's CPUs (None: each has its own)")
+
+
+    @model_validator(mode="after")
+    def _groups(self) -> "FleetConfig":
+        if self.groups:
+            self.replicas = sum(g.count for g in self.groups)
+            self.profile = self.groups[0].profile
+        return self
+
+    def replica_groups(self) -> list[ReplicaGroup]:
+        return self.groups or [ReplicaGroup(profile=self.profile, count=self.replicas)]
 
 
 class LoadConfig(BaseModel):
@@ -159,16 +199,19 @@ def fitted_estimators(config: FleetConfig, k: int, seed: int) -> tuple:
     return estimator, calibrator
 
 
-def make_controller(config: FleetConfig, k: int, fitted: tuple, seed: int) -> StepController:
-    """The real controller, pricing steps with the profile (its online correction then learns the engine)."""
+def make_controller(config: FleetConfig, k: int, fitted: tuple, seed: int, group: ReplicaGroup | None = None) -> StepController:
+    """The real controller, pricing steps with its group's profile (its online correction then learns the engine);
+    a group without a drafter runs `ar`."""
     estimator, calibrator = copy.deepcopy(fitted)
-    profile = load_profile(config.profile, efficiency=config.efficiency)
-    if config.policy == VLLM_ADAPTIVE:
+    group = group or config.replica_groups()[0]
+    profile = load_profile(group.profile, efficiency=config.efficiency)
+    policy = config.policy if group.drafter else PolicyName.AR
+    if policy == VLLM_ADAPTIVE:
         from cluster.sim.vllm_adaptive import VLLMAdaptiveController
 
         return VLLMAdaptiveController(k, estimator, calibrator, profile.cost, config.engine.max_num_seqs,
                                       config.engine.max_num_batched_tokens, seed)
-    wcs = WCSConfig(policy=config.policy, seed=seed, online_cost=config.online_cost)
+    wcs = WCSConfig(policy=policy, seed=seed, online_cost=config.online_cost)
     return StepController(wcs, k, estimator, calibrator, cost=profile.cost, token_budget=config.engine.max_num_batched_tokens)
 
 
@@ -183,11 +226,15 @@ class Fleet:
         else:
             self.acceptance = AcceptanceProcess(ACCEPTANCE_MODELS[config.acceptance], profile.k, seed)
         fitted = fitted_estimators(config, profile.k, seed)
-        self.engines = [
-            SimEngine(f"replica-{i}", config.engine, make_controller(config, profile.k, fitted, seed), profile.cost,
-                      profile.context_ms_per_row, self.acceptance, seed=seed * 1000 + i)
-            for i in range(config.replicas)
-        ]
+        self.engines = []
+        for group in config.replica_groups():
+            own = load_profile(group.profile, efficiency=config.efficiency)
+            if own.k != profile.k:
+                raise ValueError(f"every group must draft the same block: {group.profile} drafts {own.k}, {profile.name} {profile.k}")
+            for _ in range(group.count):
+                i = len(self.engines)
+                self.engines.append(SimEngine(f"replica-{i}", config.engine, make_controller(config, profile.k, fitted, seed, group),
+                                              own.cost, own.context_ms_per_row, self.acceptance, seed=seed * 1000 + i))
         shipped = PromptModel.shipped()  # the router's own, fitted on the embedded pair
         if config.traces is None:  # the acceptance model's domains, not the embedded pair's
             model = ACCEPTANCE_MODELS[config.acceptance]

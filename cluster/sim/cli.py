@@ -25,15 +25,21 @@ def _write(path: str | None, payload: dict) -> None:
         print(f"wrote {path}")
 
 
+def _slo(args: argparse.Namespace):
+    """The SLO file with the thresholds given on the command line."""
+    from loadtest.config import SLOConfig
+
+    given = {k: v for k, v in (("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("attainment_target", args.target)) if v is not None}
+    return SLOConfig.model_validate({**SLOConfig.load(args.slo).model_dump(), **given})
+
+
 def _inputs(args: argparse.Namespace, rate: float):
     from cluster.admission import AdmissionConfig
     from cluster.sim.engine import EngineSpec
     from cluster.sim.fleet import FleetConfig, FleetDescription, LoadConfig
-    from loadtest.config import SLOConfig, Shape
+    from loadtest.config import Shape
 
-    slo = SLOConfig.load(args.slo)
-    given = {k: v for k, v in (("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("attainment_target", args.target)) if v is not None}
-    slo = SLOConfig.model_validate({**slo.model_dump(), **given})
+    slo = _slo(args)
     shape = Shape(kind=args.shape, step_s=args.step_s, step_rate=args.step_rate, burst_at_s=args.burst_at_s,
                   burst_s=args.burst_s, burst_rate=args.burst_rate)
     load = LoadConfig(rate=rate, duration_s=args.duration, drain_s=args.drain, shape=shape, domains=args.domains,
@@ -188,11 +194,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from cluster.sim.validate import ValidateResult, validate
-    from loadtest.config import LoadTestConfig, SLOConfig
+    from loadtest.config import LoadTestConfig
 
-    slo = SLOConfig.load(args.slo)
-    given = {k: v for k, v in (("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("attainment_target", args.target)) if v is not None}
-    slo = SLOConfig.model_validate({**slo.model_dump(), **given})
+    slo = _slo(args)
     load = LoadTestConfig(url="http://127.0.0.1", rate=1.0, duration_s=args.duration, drain_s=args.drain, domains=args.domains,
                           max_tokens=args.max_tokens, seed=args.seed, processes=args.processes)
     rates = [float(r) for r in args.rates.split(",")]

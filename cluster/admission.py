@@ -163,7 +163,7 @@ def estimated_prompt_tokens(text_chars: int, config: AdmissionConfig) -> float:
 def decide(
     fleet: FleetArrays,
     added: np.ndarray,
-    tokens_if_room: float,
+    tokens_if_room: np.ndarray | float,
     prompt_tokens: float,
     drain_rate: np.ndarray,
     config: AdmissionConfig,

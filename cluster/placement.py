@@ -1,19 +1,23 @@
 """The router's score: TPOT slack a replica keeps after one more request is placed on it.
 
 With a replica's stats (`replicas/routing_stats.py`) and the requests the
-router added there since they were taken:
+router added there since they were taken (n of them, the new one included):
 
-    step after = step_ms + (added + 1) * request_ms    (each request adds its share of a step)
-    TPOT after = step after / tokens per step           (for the new request and for the batch)
-    slack      = cap_ms - TPOT after - queued * cap_ms  (a request past the engine's batch waits)
+    base after   = base_step_ms + n * base_request_ms       (the step with no speculation: WCS cannot shrink it)
+    demand       = (step_ms - base_step_ms) + n * (request_ms - base_request_ms)   (speculation at today's mix)
+    kept         = min(1, (cap_ms - base after) / demand)   (the share of it that still fits under the cap)
+    step after   = base after + kept * demand
+    TPOT after   = step after / (1 + kept * accepted per step)   (for the new request and for the batch)
+    slack        = cap_ms - TPOT after - queued * cap_ms    (a request past the engine's batch waits)
 
-The new request gets its expected tokens per step (`expected_tokens_per_step`)
-only as far as the headroom left after placement pays for verifying its
-drafts; otherwise it runs nearer one token per step. So a request predicted
-to accept well goes where there is budget to verify it, one predicted to
-accept poorly costs about the same anywhere, and the requests already on a
-replica keep their own TPOT within the cap. Slack is in milliseconds; larger
-is better.
+WCS sizes each step's speculation to the cap, so a replica whose step is at
+the cap is not full: one more request there takes its share of the budget and
+every request's drafts shrink a little (`kept`), which the forecast prices as
+fewer accepted tokens a step rather than as a step past the cap. Accepted
+tokens are each replica's own (`expected_tokens_per_step`: its drafter's
+measured acceptance, or none, scaled by the request's predicted acceptance),
+as are the costs, so a fleet may mix GPUs, tensor-parallel sizes and
+drafters. Slack is in milliseconds; larger is better.
 """
 
 from __future__ import annotations
@@ -24,34 +28,36 @@ import numpy as np
 
 from replicas.routing_stats import RoutingStats
 
-DEFAULT_VERIFIED_PER_ACCEPTED = 2.0  # verified drafts per accepted one, before a replica has measured its own
-
-
 class FleetArrays:
     """The stats of a fleet as columns, so that one decision scores every replica in a few numpy operations."""
 
-    FIELDS = ("running", "load", "max_num_seqs", "cap_ms", "step_ms", "request_ms", "token_ms", "tokens_per_step", "verified_per_step",
-              "realised_tpot_ms")
+    FIELDS = ("running", "load", "max_num_seqs", "cap_ms", "step_ms", "request_ms", "base_step_ms", "base_request_ms", "token_ms",
+              "tokens_per_step", "realised_tpot_ms")
 
     def __init__(self, fleet: list[RoutingStats]) -> None:
         for name in self.FIELDS:
             values = [getattr(s, name) for s in fleet]
             setattr(self, name, np.array([np.nan if v is None else v for v in values], dtype=np.float64))
         self.has_cost = ~np.isnan(self.step_ms)
-        accepted = self.tokens_per_step - 1.0
-        self.per_accepted = np.where(accepted > 0.05, self.verified_per_step / np.maximum(accepted, 0.05), DEFAULT_VERIFIED_PER_ACCEPTED)
-        # Measured tokens per step, even at 1.0 (the engine drafts nothing that is accepted at this load or this
-        # temperature); the estimator's prediction only for a replica that has not run yet. (Taking the prediction
-        # wherever nothing was accepted forecast TPOTs 2-4x under the realised ones, served at temperature 1.)
-        ref = np.array([s.tokens_per_step if s.mix_measured else s.predicted_accept_len for s in fleet])
-        self.reference_tokens = float(ref.mean()) if len(ref) else 1.0
+        # Speculation's share of a step, now and per request (zero for a replica that reports no base step).
+        self.base_step_ms = np.where(np.isnan(self.base_step_ms), self.step_ms, self.base_step_ms)
+        self.base_request_ms = np.where(np.isnan(self.base_request_ms), self.request_ms, self.base_request_ms)
+        self.spec_ms = np.maximum(self.step_ms - self.base_step_ms, 0.0)
+        self.spec_request_ms = np.maximum(self.request_ms - self.base_request_ms, 0.0)
+        # Per replica, measured tokens per step, even at 1.0 (its engine drafts nothing that is accepted at this
+        # load or temperature, or it has no drafter); the estimator's prediction only for a replica that has not
+        # run yet. (Taking the prediction wherever nothing was accepted forecast TPOTs 2-4x under the realised
+        # ones, served at temperature 1; one fleet-wide figure sent every request to the replicas without a
+        # drafter, whose cheaper steps it credited with the others' accepted tokens.)
+        ref = np.array([s.tokens_per_step if s.mix_measured else s.predicted_accept_len for s in fleet], dtype=np.float64)
+        self.reference_tokens = np.maximum(ref, 1.0)
 
 
-def expected_tokens_per_step(fleet: FleetArrays, relative_acceptance: float) -> float:
-    """Tokens per step a request gets where there is room to verify its drafts: the fleet's measured
-    tokens per request-step (the estimator's prediction where none was measured), scaled by the
-    request's predicted acceptance relative to the workload's."""
-    return 1.0 + max(fleet.reference_tokens - 1.0, 0.0) * relative_acceptance
+def expected_tokens_per_step(fleet: FleetArrays, relative_acceptance: float) -> np.ndarray:
+    """Per replica, tokens per step a request gets there where there is room to verify its drafts: that
+    replica's measured tokens per request-step (the estimator's prediction where none was measured),
+    scaled by the request's predicted acceptance relative to the workload's."""
+    return 1.0 + (fleet.reference_tokens - 1.0) * relative_acceptance
 
 
 class Forecast(NamedTuple):
@@ -63,25 +69,27 @@ class Forecast(NamedTuple):
     tpot: np.ndarray  # predicted TPOT (ms): the worse of the new request's and the batch's
 
 
-def placement_forecast(fleet: FleetArrays, added: np.ndarray, tokens_if_room: float) -> Forecast:
-    """Step time, TPOT and queue per replica after placing one more request there.
+def placement_forecast(fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float) -> Forecast:
+    """Step time, TPOT and queue per replica after placing one more request there (the module's formulas).
 
     `added`: requests routed to each replica since its stats were taken, net of those finished since.
-    `tokens_if_room`: tokens per step the request is expected to get where there is budget to verify its drafts.
+    `tokens_if_room`: tokens per step the request is expected to get on each replica where the budget covers
+    its drafts (`expected_tokens_per_step`).
     """
     f = fleet
     n_new = np.maximum(added, -f.running) + 1.0
     queued = np.maximum(0.0, f.load + n_new - f.max_num_seqs)
-    step_after = f.step_ms + n_new * f.request_ms
-    headroom_after = (f.cap_ms - step_after) / f.token_ms  # verified tokens that still fit under the cap
-    gain = max(tokens_if_room - 1.0, 0.0)
-    share = np.clip(headroom_after / (gain * f.per_accepted), 0.0, 1.0) if gain > 0 else 1.0
-    tpot_new = step_after / (1.0 + gain * share)
-    tpot_batch = np.where(f.running > 0, step_after / np.maximum(f.tokens_per_step, 1.0), 0.0)
+    base_after = f.base_step_ms + n_new * f.base_request_ms
+    demand = f.spec_ms + n_new * f.spec_request_ms
+    kept = np.clip((f.cap_ms - base_after) / np.maximum(demand, 1e-9), 0.0, 1.0)
+    step_after = base_after + kept * demand
+    gain = np.maximum(np.asarray(tokens_if_room, dtype=np.float64) - 1.0, 0.0)
+    tpot_new = step_after / (1.0 + gain * kept)
+    tpot_batch = np.where(f.running > 0, step_after / (1.0 + np.maximum(f.tokens_per_step - 1.0, 0.0) * kept), 0.0)
     return Forecast(n_new, queued, step_after, np.maximum(tpot_new, tpot_batch))
 
 
-def placement_slack(fleet: FleetArrays, added: np.ndarray, tokens_if_room: float) -> np.ndarray:
+def placement_slack(fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float) -> np.ndarray:
     """TPOT slack (ms) per replica after placing one more request there (see `placement_forecast`)."""
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room)

@@ -11,6 +11,9 @@ here is in step terms, from the replica's own profiled cost model:
 - `headroom_tokens`: how many more target tokens per step fit under the cap;
 - `request_ms`: what one more request of the batch's average kind adds to a step (the mean over
   the next `REQUEST_SECANT`);
+- `base_step_ms`, `base_request_ms`: the same without any speculation (every request one token a
+  step): the part of a step that WCS cannot shrink, where the rest is speculation it sizes to the
+  cap and gives up first when more requests arrive;
 - `token_ms`: what one more verified draft token adds to a step;
 - `tokens_per_step`: tokens each request gets per step (1 + accepted drafts);
 - `predicted_accept_len`: the estimator's mean accepted length for the running batch (what the router
@@ -40,6 +43,8 @@ class RoutingStats(BaseModel):
     step_ms: float | None = None  # None: no cost model (an engine without WCS)
     headroom_tokens: float | None = None
     request_ms: float | None = None
+    base_step_ms: float | None = None  # the step without speculation (every request one token)
+    base_request_ms: float | None = None  # what one more request adds to it
     token_ms: float | None = None  # what one more verified token adds to a step
     tokens_per_step: float = 1.0
     verified_per_step: float = 0.0  # verified drafts per request-step
@@ -134,8 +139,11 @@ def routing_stats(
     # what the several requests a router sends between two stats add.
     k = REQUEST_SECANT
     more = cost.step_ms(r + k, round(drafted + k * mix.drafted), round(target + k * (1.0 + mix.verified)))
+    base = cost.step_ms(r, 0, r)
     stats.step_ms = step
     stats.request_ms = max((more - step) / k, 0.0)
+    stats.base_step_ms = min(base, step)
+    stats.base_request_ms = min(max((cost.step_ms(r + k, 0, r + k) - base) / k, 0.0), stats.request_ms)
     stats.token_ms = max((cost.step_ms(r, round(drafted), round(target) + 8) - step) / 8.0, 1e-3)
     stats.headroom_tokens = headroom_tokens(cost, r, drafted, target, cap_ms, token_budget)
     return stats

@@ -39,7 +39,9 @@ def test_headroom_is_the_largest_token_count_under_the_cap():
 
 
 def score(fleet, added, tokens):
-    return placement_slack(FleetArrays(fleet), np.asarray(added, dtype=float), tokens)
+    """Slack per replica; `tokens`: the request's tokens per step everywhere, or None for each replica's own."""
+    arrays = FleetArrays(fleet)
+    return placement_slack(arrays, np.asarray(added, dtype=float), expected_tokens_per_step(arrays, 1.0) if tokens is None else tokens)
 
 
 def test_placement_prefers_the_unloaded_replica_and_counts_requests_routed_since_the_stats():
@@ -53,25 +55,51 @@ def test_placement_prefers_the_unloaded_replica_and_counts_requests_routed_since
     assert full[0] < score([stats(63, max_num_seqs=128)], [0], 2.0)[0] - 50.0
 
 
-def test_acceptance_pays_only_where_there_is_room_to_verify():
+def test_acceptance_pays_only_where_the_cap_leaves_room_to_speculate():
     base = stats(30, cap_ms=1000.0, mix=StepMix(drafted=6.0, verified=5.0, accepted=4.0, measured=True))  # the batch gets 5 tokens a step
     step_after = base.step_ms + base.request_ms
-    tight = base.model_copy(update={"cap_ms": step_after})  # no room left to verify a draft
+    no_spec = base.base_step_ms + base.base_request_ms  # the same batch plus one, every request one token a step
+    assert no_spec < step_after
+    tight = base.model_copy(update={"cap_ms": no_spec})  # no room left for any speculation
+    half = base.model_copy(update={"cap_ms": (no_spec + step_after) / 2})  # room for half of it
     roomy = base.model_copy(update={"cap_ms": step_after + 500.0})
 
     def tpot(s, tokens):  # slack = cap - TPOT when nothing queues
         return s.cap_ms - score([s], [0], tokens)[0]
 
     assert tpot(roomy, 4.0) == pytest.approx(step_after / 4.0)
-    assert tpot(tight, 4.0) == pytest.approx(step_after, rel=0.01)  # its drafts cannot be verified there
-    # Negative control: a request expected to accept nothing fares the same in both.
-    assert tpot(tight, 1.0) == pytest.approx(tpot(roomy, 1.0)) == pytest.approx(step_after)
+    assert tpot(tight, 4.0) == pytest.approx(no_spec)  # its drafts cannot be verified there
+    # Halfway, WCS keeps half of the speculation: half the accepted tokens (the new request's 3 become 1.5).
+    assert tpot(half, 4.0) == pytest.approx(half.cap_ms / (1.0 + 3.0 * 0.5))
+    # Control: acceptance changes the forecast only where there is room for it.
+    assert tpot(roomy, 4.0) < tpot(roomy, 1.0) - 10.0
+    assert tpot(tight, 4.0) == pytest.approx(tpot(tight, 1.0))
 
 
-def test_expected_tokens_scale_with_the_requests_relative_acceptance():
+def test_expected_tokens_are_each_replicas_own_scaled_by_the_requests_relative_acceptance():
     fleet = FleetArrays([stats(8, mix=StepMix(drafted=4, verified=3, accepted=2, measured=True)), stats(8)])
-    assert expected_tokens_per_step(fleet, 1.0) == pytest.approx(1.0 + (3.0 + 2.0) / 2 - 1.0)
-    assert expected_tokens_per_step(fleet, 1.2) > expected_tokens_per_step(fleet, 0.8)
+    assert expected_tokens_per_step(fleet, 1.0) == pytest.approx([3.0, 2.0])
+    assert (expected_tokens_per_step(fleet, 1.2) > expected_tokens_per_step(fleet, 0.8)).all()
+    # A replica without a drafter (its engine runs autoregressive decoding) gives one token whatever the request.
+    ar = FleetArrays([stats(8, mix=StepMix(measured=True))])
+    assert expected_tokens_per_step(ar, 1.5) == pytest.approx([1.0])
+
+
+def test_a_request_goes_to_the_replica_whose_drafter_serves_it_not_to_the_cheaper_step_without_one():
+    # Same batch; one replica drafts (3 tokens a step, dearer steps), the other has no drafter (cheaper steps,
+    # one token a step). A fleet-wide acceptance figure credited the second with the first's tokens.
+    def replica(cost, mix, accept_len):
+        return routing_stats(cost=cost, running=20, waiting=0, kv_usage=0.1, max_num_seqs=64, token_budget=4096,
+                             cap_ms=60.0, mix=mix, predicted_accept_len=accept_len)
+
+    drafts = StepMix(drafted=6.0, verified=4.0, accepted=2.0, measured=True)
+    gpu_like = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.1, per_draft_ms=0.02, per_target_ms=0.02, draft_launch_ms=1.0)
+    slack = score([replica(gpu_like, drafts, 2.5), replica(gpu_like, StepMix(measured=True), 1.0)], [0, 0], None)
+    assert slack[0] > slack[1] + 5.0
+    # Control: where drafting costs more than its tokens give (this cost model's TPOT 71/3 ms against 18/1), the
+    # replica without a drafter is the better place, and the score says so.
+    slack = score([replica(COST, drafts, 2.5), replica(COST, StepMix(measured=True), 1.0)], [0, 0], None)
+    assert slack[1] > slack[0] + 5.0
 
 
 def test_a_replica_that_ran_is_judged_by_its_measured_tokens_even_when_nothing_was_accepted():

@@ -11,7 +11,7 @@ shipped prompts), engine steps (`SimEngine.step`), and the replicas' routing-sta
 - `lor`: least outstanding requests.
 
 A replica takes at most `max_ongoing_requests`; a request no replica can take waits at the ingress and is
-decided again (with the time it waited) whenever a request completes. A refused request is answered 429 at
+decided again (with the time it waited, first come first served) whenever a request completes. A refused request is answered 429 at
 once. Each request becomes a `loadtest.report.RequestRow`, so reports are the load test's own.
 """
 
@@ -414,12 +414,12 @@ class Fleet:
                         if r.ticket is not None:
                             self.loop.finished(r.ticket, _ttft_ms(r, self.config.request_ms), _tpot_ms(r), now)
                 start(i, now)
-                if finished and waiting:
-                    still = []
-                    for r in waiting:
-                        if not place(r, now):
-                            still.append(r)
-                    waiting = still
+                # Waiting requests are placed first come, first served (Serve's FIFO pending queue): the first
+                # that finds no replica ends the pass (retrying every one of them made overload quadratic).
+                placed = 0
+                while finished and placed < len(waiting) and place(waiting[placed], now):
+                    placed += 1
+                del waiting[:placed]
         bar.close()
         unfinished = [r for e in self.engines for r in (*e.running, *e.waiting)] + waiting
         return [_row(r, self.config.request_ms) for r in sorted(done + unfinished, key=lambda r: r.arrival_s)]

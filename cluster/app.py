@@ -31,14 +31,17 @@ class RouterConfig(BaseModel):
     stale_after_s: float = Field(default=10.0, gt=0, description="replica stats older than this count as missing")
     tie_ms: float = Field(default=1.0, ge=0, description="TPOT-slack differences treated as ties (ms)")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="SLO-aware admission (this router only)")
+    extrapolate_in_flight: bool = Field(default=True, description="each ingress replica counts what it routed since the "
+                                        "replicas' stats times the number of ingress replicas (they share the traffic)")
 
-    def request_router_config(self, stats_period_s: float):
+    def request_router_config(self, stats_period_s: float, ingresses: int = 1):
         from ray.serve.config import RequestRouterConfig
 
         kwargs = (
             {}
             if self.kind == "pow2"
-            else {"stale_after_s": self.stale_after_s, "tie_ms": self.tie_ms, "admission": self.admission.model_dump()}
+            else {"stale_after_s": self.stale_after_s, "tie_ms": self.tie_ms, "admission": self.admission.model_dump(),
+                  "ingresses": ingresses if self.extrapolate_in_flight else 1}
         )
         return RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[self.kind],
@@ -87,7 +90,7 @@ def build_app(config: AppConfig):
         **replica_count_options(rc),
         max_ongoing_requests=rc.max_ongoing_requests,
         max_queued_requests=rc.max_queued_requests,
-        request_router_config=config.router.request_router_config(rc.stats_period_s),
+        request_router_config=config.router.request_router_config(rc.stats_period_s, config.ingress.num_replicas),
         health_check_period_s=10,
         health_check_timeout_s=60,
         **engine_deployment_options(rc),

@@ -132,13 +132,13 @@ def test_prompt_model_tells_the_shipped_domains_apart_held_out():
     assert model.predict({"messages": [{"role": "user", "content": code}]}) == pytest.approx(6.6, abs=0.1)
 
 
-def make_router():
+def make_router(**kw):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
     from cluster.router import AcceptanceHeadroomRouter
 
     router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="E", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(tie_ms=0.5)
+    router.initialize_state(tie_ms=0.5, **kw)
     return router
 
 
@@ -191,6 +191,24 @@ def test_router_in_flight_accounting_spreads_requests_between_stats_updates():
         view = router._fleet(replicas)
         assert list(view.baseline) == [chosen.count("r0"), chosen.count("r1")]
         assert list(view.routed - view.baseline) == [0, 0]
+
+    asyncio.run(go())
+
+
+def test_each_of_several_ingresses_counts_its_own_routing_as_its_share_of_the_fleets():
+    async def first_after_routing_to_r0(router, n):
+        replicas = fleet([20, 40])
+        for _ in range(n):
+            request = pending()
+            await router.choose_replicas(replicas, request)
+            router.on_request_routed(request, replicas[0].replica_id, None)
+        return (await router.choose_replicas(replicas, pending()))[0][0].replica_id.unique_id
+
+    async def go():
+        # 8 requests this ingress sent to r0 since the stats: alone, r0 has 28 against r1's 40; as one of 4 ingresses
+        # sharing the traffic, the fleet sent about 32 there (52 against 40).
+        assert await first_after_routing_to_r0(make_router(), 8) == "r0"
+        assert await first_after_routing_to_r0(make_router(ingresses=4), 8) == "r1"
 
     asyncio.run(go())
 

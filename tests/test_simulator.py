@@ -267,3 +267,21 @@ def test_a_fleet_description_builds_its_groups_and_replicas_without_a_drafter_ne
     assert all(r.status == 200 for r in rows)
     drafted = [e.ctl.stats.drafted for e in fleet.engines]
     assert drafted[2] == 0 and drafted[0] > 0 and drafted[1] > 0  # the control: replicas with a drafter draft
+
+
+def test_many_ingresses_keep_slos_only_when_each_counts_its_routing_as_its_share():
+    """16 ingresses on one set of stats, near a 16-replica fleet's capacity (a quarter without a drafter): each
+    counting only what it routed itself herds requests onto the same replicas between stats."""
+    from cluster.sim.fleet import ReplicaGroup
+    from loadtest.report import build_report
+
+    groups = [ReplicaGroup(profile="h100-8b-tp1", count=12), ReplicaGroup(profile="h100-8b-tp1", count=4, drafter=False)]
+    slo = SLOConfig(ttft_ms=1000.0, tpot_ms=20.0)
+    reports = {}
+    for extrapolate in (False, True):
+        config = FleetConfig(groups=groups, engine=EngineSpec(max_num_seqs=256, tpot_slo_ms=20.0), max_ongoing_requests=256,
+                             ingresses=16, extrapolate_in_flight=extrapolate)
+        rows = Fleet(config, seed=0).run(LoadConfig(rate=1850.0, duration_s=2.0, seed=0))
+        reports[extrapolate] = build_report(rows, slo, 1850.0, 2.0)
+    assert reports[True].attainment >= reports[False].attainment + 0.02
+    assert reports[True].tpot_ms.p90 <= reports[False].tpot_ms.p90 - 2.0

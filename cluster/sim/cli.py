@@ -49,7 +49,8 @@ def _inputs(args: argparse.Namespace, rate: float):
     groups = FleetDescription.load(args.fleet).groups if args.fleet else None
     fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine, groups=groups,
                         traces=Path(args.traces) if args.traces else None,
-                        max_ongoing_requests=args.max_num_seqs, admission=admission)
+                        max_ongoing_requests=args.max_num_seqs, admission=admission, ingresses=args.ingresses,
+                        stats_period_s=args.stats_period)
     return fleet, load, slo
 
 
@@ -232,6 +233,9 @@ def add_parser(sub) -> None:
         p.add_argument("--fleet", metavar="PATH", help="a heterogeneous fleet (manifests/fleets/*.yaml); replaces --replicas and --profile")
         p.add_argument("--max-num-seqs", type=int, default=64, help="each engine's batch (and Serve's max_ongoing_requests)")
         p.add_argument("--admission", action="store_true", help="SLO-aware admission at the ingress (cluster/admission.py)")
+        p.add_argument("--ingresses", type=int, default=1, help="ingress replicas routing at once, each with its own in-flight "
+                       "accounting (variant wcs-local-count: without the router's extrapolation to the others)")
+        p.add_argument("--stats-period", type=float, default=1.0, help="seconds between the replicas' routing stats")
         p.add_argument("--duration", type=float, default=duration, help=f"simulated seconds of arrivals (default {duration:g})")
         p.add_argument("--drain", type=float, default=60.0, help="simulated seconds requests in flight may run after the arrivals stop")
         p.add_argument("--slo", metavar="PATH", help="SLO YAML (default loadtest/slo.yaml)")

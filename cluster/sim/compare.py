@@ -20,6 +20,7 @@ class SimVariant(BaseModel):
     policy: PolicyName | Literal["vllm-adaptive"]
     router: RouterName
     online_cost: bool = True
+    extrapolate_in_flight: bool = True
 
 
 VARIANTS = {
@@ -30,15 +31,17 @@ VARIANTS = {
     "static": SimVariant(policy=PolicyName.STATIC, router="headroom"),
     "wcs-pow2": SimVariant(policy=PolicyName.WCS, router="pow2"),
     "wcs-lor": SimVariant(policy=PolicyName.WCS, router="lor"),
+    "wcs-local-count": SimVariant(policy=PolicyName.WCS, router="headroom", extrapolate_in_flight=False),
 }
 RATIOS = {"wcs_vs_dspark": ("wcs", "dspark"), "wcs_vs_ar": ("wcs", "ar"), "router_vs_pow2": ("wcs", "wcs-pow2"),
-          "router_vs_lor": ("wcs", "wcs-lor"), "wcs_vs_vllm_adaptive": ("wcs", "vllm-adaptive")}
+          "router_vs_lor": ("wcs", "wcs-lor"), "wcs_vs_vllm_adaptive": ("wcs", "vllm-adaptive"),
+          "extrapolated_vs_local_count": ("wcs", "wcs-local-count")}
 
 
 def variant_fleet(base: FleetConfig, variant: SimVariant, slo: SLOConfig) -> FleetConfig:
     engine = base.engine.model_copy(update={"tpot_slo_ms": slo.tpot_ms or base.engine.tpot_slo_ms})
     return base.model_copy(update={"policy": variant.policy, "router": variant.router, "engine": engine,
-                                   "online_cost": variant.online_cost})
+                                   "online_cost": variant.online_cost, "extrapolate_in_flight": variant.extrapolate_in_flight})
 
 
 def simulate_load(fleet: FleetConfig, load: LoadConfig, slo: SLOConfig, seed: int = 0, progress: bool = False) -> LoadTestReport:

@@ -51,6 +51,7 @@ class SimRequest:
     offset: float = 0.0  # its acceptance offset (`AcceptanceProcess.request_offset`)
     prompt: str = ""
     ticket: int | None = None
+    ingress: int = 0  # the ingress replica that routes it
     sent_s: float | None = None  # when the router placed it
     prefilled: int = 0
     prefill_target: int = -1  # tokens its prefill covers: the prompt, after a preemption what it had generated too

@@ -1,9 +1,10 @@
-"""A simulated fleet: arrivals, one ingress with the real routing decision and admission, N simulated engines.
+"""A simulated fleet: arrivals, ingresses with the real routing decision and admission, N simulated engines.
 
 Discrete events on one clock: request arrivals (Poisson, the load test's shapes and domain mix, the
 shipped prompts), engine steps (`SimEngine.step`), and the replicas' routing-stats refresh every
 `stats_period_s` (the router sees stats up to a period old and adds its own in-flight accounting, as
-`cluster/router.py` does). Routers:
+`cluster/router.py` does). With `ingresses` > 1 each ingress counts only what it routed itself, as
+each of Serve's routers does; admission's feedback is shared. Routers:
 
 - `headroom`: `cluster.route.route` (the router's own score and admission), falling back to power of two
   before every replica has reported stats;
@@ -110,6 +111,10 @@ class FleetConfig(BaseModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     max_ongoing_requests: int = Field(default=64, ge=1)
     stats_period_s: float = Field(default=1.0, gt=0)
+    ingresses: int = Field(default=1, ge=1, description="ingress replicas routing at once, each with its own in-flight "
+                           "accounting (arrivals spread evenly over them, as behind Serve's proxies)")
+    extrapolate_in_flight: bool = Field(default=True, description="each ingress counts what it routed since the stats "
+                                        "times the number of ingresses (`RouterConfig.extrapolate_in_flight`)")
     groups: list[ReplicaGroup] | None = Field(default=None, description="a heterogeneous fleet (replaces `replicas` and "
                                                 "`profile`: `FleetDescription.groups`)")
     admission: AdmissionConfig | None = Field(default=None, description="None: admission off")
@@ -246,8 +251,9 @@ class Fleet:
         self.loop = AdmissionLoop(config.admission) if config.admission and config.admission.enabled else None
         self.drain = DrainMeter()
         n = config.replicas
-        self.in_flight = np.zeros(n)
-        self.baseline = np.zeros(n)
+        self.in_flight = np.zeros(n)  # all ingresses together: what the replicas enforce max_ongoing_requests on
+        self.routed = np.zeros((config.ingresses, n))  # each ingress's own in-flight count per replica
+        self.baseline = np.zeros((config.ingresses, n))  # ... when the replicas' stats were taken
         self.arrays: FleetArrays | None = None
         self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}  # as the router counts them
         self.emitted_by_end = 0
@@ -257,7 +263,7 @@ class Fleet:
     def _refresh_stats(self, now: float) -> None:
         stats = [e.routing_stats(now) for e in self.engines]
         self.arrays = FleetArrays(stats)
-        self.baseline = self.in_flight.copy()
+        self.baseline = self.routed.copy()
 
     def _choose(self, r: SimRequest, now: float) -> int | None | Literal["refused"]:
         """A replica index, None (every replica is full: wait), or "refused"."""
@@ -278,9 +284,10 @@ class Fleet:
             return int(np.argmin(self.in_flight)) if free.any() else None
         admission = self.config.admission if self.loop is not None else None
         waited_ms = (now - r.arrival_s) * 1000.0
+        scale = self.config.ingresses if self.config.extrapolate_in_flight else 1
         decided = route(
             self.arrays,
-            self.in_flight - self.baseline,
+            (self.routed[r.ingress] - self.baseline[r.ingress]) * scale,
             self.prompt_model.relative_acceptance({"prompt": r.prompt}),
             loop=self.loop,
             config=admission,
@@ -338,6 +345,7 @@ class Fleet:
 
         def arrive(r: SimRequest, t: float) -> None:
             r.arrival_s = t
+            r.ingress = r.key % self.config.ingresses
             r.offset = self.acceptance.request_offset(r.domain, r.key)
             heapq.heappush(events, (t, next(seq), "arrive", r))
 
@@ -372,6 +380,7 @@ class Fleet:
                 return True
             r.sent_s = now
             self.in_flight[choice] += 1
+            self.routed[r.ingress, choice] += 1
             self.engines[choice].add(r)
             start(choice, now)
             return True
@@ -403,6 +412,7 @@ class Fleet:
                 stepping[i] = False
                 for r in finished:
                     self.in_flight[i] -= 1
+                    self.routed[r.ingress, i] -= 1
                     self.drain.completed(i, now)
                     done.append(r)
                     bar.update()

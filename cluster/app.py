@@ -78,7 +78,14 @@ def engine_deployment_options(config: ReplicaConfig) -> dict[str, Any]:
 def replica_count_options(config: ReplicaConfig) -> dict[str, Any]:
     if config.autoscaling is None:
         return {"num_replicas": config.num_replicas}
-    return {"autoscaling_config": config.autoscaling.model_dump()}
+    a = config.autoscaling
+    serve_config = a.model_dump(include={"min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"})
+    if a.policy == "headroom":
+        from cluster.autoscale import HeadroomScaling
+
+        kwargs = HeadroomScaling.model_validate(a.headroom).model_dump()
+        serve_config["policy"] = {"policy_function": "cluster.autoscale:HeadroomPolicy", "policy_kwargs": kwargs}
+    return {"autoscaling_config": serve_config}
 
 
 def build_app(config: AppConfig):

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from replicas.engine import EngineConfig, cpu_engine_environment
 from replicas.metrics import LatestSchedulerStats, RayExport, measured_step_ms, process_cpu_seconds, replica_families
 from replicas.openai_api import exception_reply
-from replicas.routing_stats import RoutingStats, StepMix, routing_stats, step_mix
+from replicas.routing_stats import RoutingStats, StepMix, autoscaling_metrics, routing_stats, step_mix
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,7 +40,14 @@ class AutoscalingBounds(BaseModel):
 
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)
-    target_ongoing_requests: float = Field(default=32.0, gt=0, description="requests in flight per replica Serve aims for")
+    policy: Literal["headroom", "ongoing_requests"] = Field(
+        default="headroom", description="headroom: replicas to keep the TPOT SLO from each replica's cost model and acceptance "
+        "(cluster/autoscale.py); ongoing_requests: Serve's default, requests in flight against target_ongoing_requests")
+    headroom: dict[str, float] = Field(default_factory=dict, description="the headroom policy's settings (cluster.autoscale.HeadroomScaling)")
+    target_ongoing_requests: float = Field(default=32.0, gt=0, description="requests in flight per replica Serve aims for "
+                                           "(ongoing_requests policy)")
+    upscale_delay_s: float = Field(default=10.0, ge=0, description="a scale-up must be wanted this long")
+    downscale_delay_s: float = Field(default=60.0, ge=0, description="a scale-down must be wanted this long (hysteresis)")
 
     @model_validator(mode="after")
     def _ordered(self) -> "AutoscalingBounds":
@@ -174,6 +181,10 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         return {} if self._stats is None else self._stats.model_dump()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the same stats, for `cluster.autoscale.HeadroomPolicy`."""
+        return {} if self._stats is None else autoscaling_metrics(self._stats)
 
     async def _refresh(self) -> None:
         engine = self.engine

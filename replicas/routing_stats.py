@@ -57,6 +57,11 @@ class RoutingStats(BaseModel):
         return self.running + self.waiting
 
 
+def autoscaling_metrics(stats: RoutingStats) -> dict[str, float]:
+    """The stats as Serve's custom autoscaling metrics take them: numbers only (NaN for a missing one)."""
+    return {k: float("nan") if v is None else float(v) for k, v in stats.model_dump().items()}
+
+
 class StepMix(BaseModel):
     """Per request-step averages over the last stats period (from WCS counter deltas)."""
 

@@ -12,7 +12,8 @@ router's forecast (`cluster.placement.placement_forecast`) puts its TPOT past `t
 
 Inside the band the count stays (hysteresis on the signal); Serve adds its own in time
 (`upscale_delay_s`, `downscale_delay_s`) and the replica bounds. Requests waiting past a replica's batch
-count as load, so a fleet whose batches are full scales up even when the forecast misjudges TPOT.
+count as load, and so do requests queued at Serve's handles before any replica took them, so a fleet
+whose batches are full scales up even when the forecast misjudges TPOT.
 
 `HeadroomPolicy` is Serve's custom autoscaling policy (`AutoscalingPolicy(policy_function=
 "cluster.autoscale:HeadroomPolicy")`); the replicas report their stats to it through
@@ -55,20 +56,22 @@ def replica_capacity(fleet: FleetArrays, tpot_share: float = 0.9) -> np.ndarray:
     return np.where(fleet.has_cost, capacity, fleet.max_num_seqs)
 
 
-def utilisation(stats: list[RoutingStats], config: HeadroomScaling) -> float:
-    """Requests in flight over the fleet's SLO capacity (0 for an empty fleet)."""
+def utilisation(stats: list[RoutingStats], config: HeadroomScaling, queued: float = 0.0) -> float:
+    """Requests in flight (and `queued` before any replica took them) over the fleet's SLO capacity (0 for an
+    empty fleet)."""
     if not stats:
         return 0.0
     fleet = FleetArrays(stats)
     capacity = float(np.maximum(replica_capacity(fleet, config.tpot_share), 1.0).sum())
-    return float(fleet.load.sum()) / capacity
+    return (float(fleet.load.sum()) + queued) / capacity
 
 
-def desired_replicas(current: int, stats: list[RoutingStats], config: HeadroomScaling) -> float:
-    """Replicas to run: unchanged inside the hysteresis band, else scaled to bring utilisation to the target."""
+def desired_replicas(current: int, stats: list[RoutingStats], config: HeadroomScaling, queued: float = 0.0) -> float:
+    """Replicas to run: unchanged inside the hysteresis band, else scaled to bring utilisation to the target.
+    `queued`: requests waiting before any replica (at Serve's handles)."""
     if current <= 0 or not stats:
         return float(current)
-    u = utilisation(stats, config)
+    u = utilisation(stats, config, queued)
     if config.scale_down_below <= u <= config.scale_up_above:
         return float(current)
     return current * u / config.target
@@ -103,4 +106,4 @@ class HeadroomPolicy:
         stats = stats_from_metrics(ctx.aggregated_metrics or {})
         if not stats:  # nothing reported yet: keep the count
             return ctx.target_num_replicas, {}
-        return desired_replicas(ctx.current_num_replicas, stats, self.config), {}
+        return desired_replicas(ctx.current_num_replicas, stats, self.config, ctx.total_queued_requests or 0.0), {}

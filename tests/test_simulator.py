@@ -285,3 +285,29 @@ def test_many_ingresses_keep_slos_only_when_each_counts_its_routing_as_its_share
         reports[extrapolate] = build_report(rows, slo, 1850.0, 2.0)
     assert reports[True].attainment >= reports[False].attainment + 0.02
     assert reports[True].tpot_ms.p90 <= reports[False].tpot_ms.p90 - 2.0
+
+
+def test_the_simulated_autoscaler_scales_up_for_a_burst_and_back_down_with_serves_own_delays():
+    from cluster.sim.autoscaler import SimAutoscaling
+    from loadtest.config import Shape
+
+    load = LoadConfig(rate=20.0, duration_s=40.0, drain_s=20.0, max_tokens=64, seed=0,
+                      shape=Shape(kind="burst", burst_at_s=5.0, burst_s=10.0, burst_rate=400.0))
+    scaling = SimAutoscaling(min_replicas=1, startup_s=2.0, upscale_delay_s=1.0, downscale_delay_s=5.0)
+
+    def run_with(**kw):
+        fleet = Fleet(FleetConfig(replicas=4, engine=EngineSpec(max_num_seqs=256, tpot_slo_ms=20.0), max_ongoing_requests=256,
+                                  autoscaling=scaling.model_copy(update=kw)), seed=0)
+        rows = fleet.run(load)
+        assert len(rows) == len({r.request_id for r in rows}) and all(r.status == 200 for r in rows)
+        return fleet.autoscaler
+
+    headroom = run_with(policy="headroom")
+    serving = [s for _, s, _ in headroom.timeline]
+    assert max(serving) >= 2 and serving[-1] < max(serving)  # up for the burst, down after it
+    up = next(t for t, s, _ in headroom.timeline if s > 1)
+    assert up >= 5.0 + 1.0 + 2.0  # not before the burst, its upscale delay and a replica's start-up
+    assert headroom.replica_seconds < 4 * (40.0 + 20.0)
+    # Control: Serve's default policy with a target no burst reaches never scales.
+    idle = run_with(policy="ongoing_requests", target_ongoing_requests=10_000.0)
+    assert [s for _, s, _ in idle.timeline] == [1]

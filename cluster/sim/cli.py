@@ -120,6 +120,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_autoscale(args: argparse.Namespace) -> int:
+    from cluster.sim.autoscaler import SimAutoscaling
+    from cluster.sim.compare import VARIANTS, variant_fleet
+    from cluster.sim.scaling import simulate_scaling
+
+    fleet, load, slo = _inputs(args, args.rate)
+    fleet = variant_fleet(fleet, VARIANTS["wcs"], slo)
+    print(_label(fleet))
+    scaling = SimAutoscaling(min_replicas=args.min_replicas, max_replicas=args.max_replicas or fleet.replicas,
+                             startup_s=args.startup_s, upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
+
+    def shown(row) -> None:
+        print(f"{row.variant:>24}: attainment {row.attainment:.1%} (worst window {row.worst_window_attainment:.1%}), "
+              f"goodput {row.goodput_rps:.1f} req/s, {row.replica_seconds:.0f} replica-seconds, at most {row.most_replicas} replicas",
+              flush=True)
+
+    targets = [float(t) for t in args.target_ongoing.split(",") if t]
+    result = simulate_scaling(fleet, load, slo, scaling, targets, progress=True, on_row=shown)
+    for key, value in result.ratios.items():
+        print(f"{key}: {value:.2f}x replica-seconds")
+    _write(args.json, result.model_dump(mode="json"))
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from cluster.sim.compare import simulate_compare
 
@@ -264,6 +288,16 @@ def add_parser(sub) -> None:
     run.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))
     common(run, 60.0)
     run.set_defaults(func=cmd_run)
+    scale = ss.add_parser("autoscale", help="the headroom autoscaling policy against Serve's default (replica-seconds, attainment)")
+    scale.add_argument("--rate", type=float, required=True, help="base request rate (req/s) of the load shape")
+    scale.add_argument("--target-ongoing", default="64,128", help="Serve default policy's target_ongoing_requests values to run")
+    scale.add_argument("--min-replicas", type=int, default=1)
+    scale.add_argument("--max-replicas", type=int, default=None, help="default: --replicas")
+    scale.add_argument("--startup-s", type=float, default=30.0, help="from a replica's start to its first request")
+    scale.add_argument("--upscale-delay-s", type=float, default=10.0)
+    scale.add_argument("--downscale-delay-s", type=float, default=60.0)
+    common(scale, 180.0)
+    scale.set_defaults(func=cmd_autoscale)
     cmp_ = ss.add_parser("compare", help="capacity of each variant and their ratios (forespark compare's JSON)")
     cmp_.add_argument("--variants", default="wcs,dspark,ar,wcs-pow2", help=f"from {','.join(VARIANTS)}")
     cmp_.add_argument("--start-rate", type=float, default=8.0)

@@ -36,6 +36,7 @@ from cluster.placement import FleetArrays
 from cluster.prompt_model import PromptModel
 from cluster.route import route
 from cluster.sim.acceptance import ACCEPTANCE_MODELS, AcceptanceProcess, synthetic_traces
+from cluster.sim.autoscaler import SimAutoscaler, SimAutoscaling
 from cluster.sim.engine import EngineSpec, SimEngine, SimRequest
 from cluster.sim.profiles import DEFAULT_PROFILE, load_profile
 from cluster.sim.replay import TraceReplay
@@ -122,6 +123,7 @@ class FleetConfig(BaseModel):
     request_ms: float = Field(default=0.0, ge=0, description="what the HTTP path adds to a request's TTFT (proxy, ingress, "
                               "tokenizing, the first chunk's way back; `simulate validate` fits it)")
     host: HostModel | None = Field(default=None, description="engines sharing the host's CPUs (None: each has its own)")
+    autoscaling: SimAutoscaling | None = Field(default=None, description="None: every replica serves throughout")
 
 
     @model_validator(mode="after")
@@ -255,44 +257,52 @@ class Fleet:
         self.routed = np.zeros((config.ingresses, n))  # each ingress's own in-flight count per replica
         self.baseline = np.zeros((config.ingresses, n))  # ... when the replicas' stats were taken
         self.arrays: FleetArrays | None = None
+        self.autoscaler = SimAutoscaler(config.autoscaling, n) if config.autoscaling else None
+        # The replicas taking requests (all, unless autoscaling), in `arrays`' order.
+        self.serving = np.flatnonzero(self.autoscaler.routable) if self.autoscaler else np.arange(n)
+        self.stats: list = []
         self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}  # as the router counts them
         self.emitted_by_end = 0
         self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
 
     # -- routing -------------------------------------------------------------------------------------------
     def _refresh_stats(self, now: float) -> None:
-        stats = [e.routing_stats(now) for e in self.engines]
-        self.arrays = FleetArrays(stats)
+        self.stats = [e.routing_stats(now) for e in self.engines]
+        self.serving = np.flatnonzero(self.autoscaler.routable) if self.autoscaler else np.arange(len(self.engines))
+        self.arrays = FleetArrays([self.stats[i] for i in self.serving]) if len(self.serving) else None
         self.baseline = self.routed.copy()
 
     def _choose(self, r: SimRequest, now: float) -> int | None | Literal["refused"]:
         """A replica index, None (every replica is full: wait), or "refused"."""
         cap = self.config.max_ongoing_requests
-        free = self.in_flight < cap
+        serving = self.serving
+        free = np.zeros(len(self.engines), dtype=bool)
+        free[serving] = self.in_flight[serving] < cap
         if self.loop is not None and self.loop.gate.closed(now):
             self.decisions["gated"] += 1
             return "refused"
-        if self.config.router == "lor":
-            return int(np.argmin(self.in_flight)) if free.any() else None
-        if self.config.router == "pow2" or self.arrays is None:
+        if self.config.router in ("lor", "pow2") or self.arrays is None:
+            if not free.any():
+                return None
+            least = int(serving[np.argmin(self.in_flight[serving])])
+            if self.config.router == "lor":
+                return least
             if self.config.router != "pow2":
                 self.decisions["fallback"] += 1
-            pair = self.rng.sample(range(len(self.engines)), min(2, len(self.engines)))
+            pair = [int(serving[j]) for j in self.rng.sample(range(len(serving)), min(2, len(serving)))]
             pick = min(pair, key=lambda i: self.in_flight[i])
-            if free[pick]:
-                return pick
-            return int(np.argmin(self.in_flight)) if free.any() else None
+            return pick if free[pick] else least
         admission = self.config.admission if self.loop is not None else None
         waited_ms = (now - r.arrival_s) * 1000.0
         scale = self.config.ingresses if self.config.extrapolate_in_flight else 1
         decided = route(
             self.arrays,
-            (self.routed[r.ingress] - self.baseline[r.ingress]) * scale,
+            (self.routed[r.ingress, serving] - self.baseline[r.ingress, serving]) * scale,
             self.prompt_model.relative_acceptance({"prompt": r.prompt}),
             loop=self.loop,
             config=admission,
             prompt_tokens=estimated_prompt_tokens(len(r.prompt), admission) if admission else 0.0,
-            drain_rates=self.drain.rates(list(range(len(self.engines))), now) if admission else None,
+            drain_rates=self.drain.rates([int(i) for i in serving], now) if admission else None,
             waited_ms=waited_ms,
             now=now,
         )
@@ -302,20 +312,21 @@ class Fleet:
                 self.loop.gate.close(admission.gate_s, decided.decision.retry_after_s, now)
             return "refused"
         self.decisions["ranked"] += 1
-        tied = [int(i) for i in decided.order[: decided.tied] if free[i]]
+        order = serving[decided.order]  # positions in `arrays` to replica indices
+        tied = [int(i) for i in order[: decided.tied] if free[i]]
         if tied:
             pick = min(tied, key=lambda i: self.in_flight[i])
         else:
-            rest = [int(i) for i in decided.order[decided.tied :] if free[i]]
+            rest = [int(i) for i in order[decided.tied :] if free[i]]
             if not rest:
                 return None
             pick = rest[0]
         if self.loop is not None:
-            i = pick
+            at = int(np.searchsorted(serving, pick))
             r.ticket = self.loop.ticket()
             correction = decided.correction
             ttft, tpot = correction.undo(decided.decision.ttft_ms, decided.decision.tpot_ms)
-            self.loop.routed(r.ticket, i, float(ttft[i]), float(tpot[i]), now)
+            self.loop.routed(r.ticket, pick, float(ttft[at]), float(tpot[at]), now)
         return pick
 
     def _count_outputs(self, now: float) -> None:
@@ -356,6 +367,8 @@ class Fleet:
             for r in requests if requests is not None else arrivals(load, self.config.chars_per_token):
                 arrive(r, r.arrival_s)
         heapq.heappush(events, (0.0, next(seq), "stats", None))
+        if self.autoscaler is not None:
+            heapq.heappush(events, (0.0, next(seq), "scale", None))
         heapq.heappush(events, (load.duration_s, next(seq), "mark", None))
         total = load.users if closed else sum(1 for e in events if e[2] == "arrive")
         stepping = [False] * len(self.engines)
@@ -398,6 +411,11 @@ class Fleet:
                 self._refresh_stats(now)
                 if now + self.config.stats_period_s <= end and (closed or len(done) < total):
                     heapq.heappush(events, (now + self.config.stats_period_s, next(seq), "stats", None))
+            elif kind == "scale":
+                if self.autoscaler.tick(now, self.stats, self.in_flight, len(waiting)):
+                    self._refresh_stats(now)  # Serve hands the routers the new replica set
+                if now + self.autoscaler.config.control_period_s <= end and (closed or len(done) < total):
+                    heapq.heappush(events, (now + self.autoscaler.config.control_period_s, next(seq), "scale", None))
             elif kind == "step":
                 i = payload
                 engine = self.engines[i]
@@ -431,6 +449,8 @@ class Fleet:
                     placed += 1
                 del waiting[:placed]
         bar.close()
+        if self.autoscaler is not None:
+            self.autoscaler.settle_accounts(min(now, end))
         unfinished = [r for e in self.engines for r in (*e.running, *e.waiting)] + waiting
         return [_row(r, self.config.request_ms) for r in sorted(done + unfinished, key=lambda r: r.arrival_s)]
 

@@ -2,18 +2,21 @@
 
 Serve's default policy scales on requests in flight against a fixed `target_ongoing_requests`, a number
 that says nothing about the SLO: the requests a replica can carry within its TPOT cap depend on its
-GPU, its drafter's acceptance and the workload. This policy asks each replica's routing stats (the
-numbers the router scores with, `replicas/routing_stats.py`) how many requests it can carry before the
-router's forecast (`cluster.placement.placement_forecast`) puts its TPOT past `tpot_share` of the cap:
+GPU, its drafter's acceptance and the workload, and requests in flight are no measure of load when
+latency depends on it (at light load requests finish fast, so few are in flight: a fleet scaled down
+on that count collapses). This policy measures load as decode work per millisecond, from each
+replica's routing stats (the numbers the router scores with, `replicas/routing_stats.py`) and the
+router's forecast (`cluster.placement.placement_forecast`):
 
-    capacity_i   = running_i + the most requests the forecast lets it take within the cap
-    utilisation  = sum of requests in flight (running + waiting) / sum of capacities
+    capacity_i   = requests replica i can carry before its forecast TPOT passes tpot_share of the cap
+    demand       = sum over replicas of (running + waiting) / forecast TPOT now      (tokens per ms)
+    supply       = sum over replicas of the best n / forecast TPOT(n), n up to capacity   (tokens per ms within the SLO)
+    utilisation  = demand / supply
     desired      = current * utilisation / target      (outside the band [scale_down_below, scale_up_above])
 
 Inside the band the count stays (hysteresis on the signal); Serve adds its own in time
 (`upscale_delay_s`, `downscale_delay_s`) and the replica bounds. Requests waiting past a replica's batch
-count as load, and so do requests queued at Serve's handles before any replica took them, so a fleet
-whose batches are full scales up even when the forecast misjudges TPOT.
+count as load, and so do requests queued at Serve's handles before any replica took them.
 
 `HeadroomPolicy` is Serve's custom autoscaling policy (`AutoscalingPolicy(policy_function=
 "cluster.autoscale:HeadroomPolicy")`); the replicas report their stats to it through
@@ -32,6 +35,7 @@ from cluster.placement import FleetArrays, expected_tokens_per_step, placement_f
 from replicas.routing_stats import RoutingStats
 
 MAX_EXTRA = 4096  # the most requests the capacity search adds to one replica
+SUPPLY_POINTS = 16  # batch sizes tried per replica for its best decode rate within the SLO
 
 
 class HeadroomScaling(BaseModel):
@@ -57,13 +61,25 @@ def replica_capacity(fleet: FleetArrays, tpot_share: float = 0.9) -> np.ndarray:
 
 
 def utilisation(stats: list[RoutingStats], config: HeadroomScaling, queued: float = 0.0) -> float:
-    """Requests in flight (and `queued` before any replica took them) over the fleet's SLO capacity (0 for an
-    empty fleet)."""
+    """Decode work the fleet is asked for over what it can do within the SLO (0 for an empty fleet); `queued`:
+    requests waiting before any replica took them."""
     if not stats:
         return 0.0
     fleet = FleetArrays(stats)
-    capacity = float(np.maximum(replica_capacity(fleet, config.tpot_share), 1.0).sum())
-    return (float(fleet.load.sum()) + queued) / capacity
+    tokens = expected_tokens_per_step(fleet, 1.0)
+    capacity = np.maximum(replica_capacity(fleet, config.tpot_share), 1.0)
+    # The most decode work each replica does within the SLO: the best n / TPOT(n) up to its capacity (with WCS
+    # it flattens early: more requests then only share the speculation budget, and wait longer).
+    best = np.zeros(len(stats))
+    for k in range(1, SUPPLY_POINTS + 1):
+        n = np.maximum(np.round(capacity * k / SUPPLY_POINTS), 1.0)
+        tpot = placement_forecast(fleet, n - fleet.running - 1.0, tokens).tpot
+        best = np.maximum(best, n / np.maximum(tpot, 1e-6))
+    best = np.where(fleet.has_cost, best, capacity / (config.tpot_share * fleet.cap_ms))
+    now = placement_forecast(fleet, np.full(len(stats), -1.0), tokens).tpot
+    now = np.where(fleet.has_cost & (now > 0), now, config.tpot_share * fleet.cap_ms)
+    demand = float((fleet.load / now).sum()) + queued / float(np.mean(now))
+    return demand / float(best.sum())
 
 
 def desired_replicas(current: int, stats: list[RoutingStats], config: HeadroomScaling, queued: float = 0.0) -> float:

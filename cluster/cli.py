@@ -14,10 +14,11 @@
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
     forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
-    forespark models bench [--json P]    drafter acceptance per domain and width through vLLM
+    forespark models bench [--temperature T] [--weights DIR] [--json P]
+                                         drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
     forespark models workloads           rewrite the shipped workload prompts from held-out text
-    forespark simulate profiles|run|compare|sweep|bench|validate   the fleet simulator (cluster/sim/): simulated figures
+    forespark simulate profiles|run|compare|sweep|bench|validate|autoscale   the fleet simulator (cluster/sim/): simulated figures
     forespark results check              docs/results.md against the JSON it cites
 """
 
@@ -500,9 +501,13 @@ def cmd_models_bench(args: argparse.Namespace) -> int:
 
     widths = list(args.widths) if args.widths else None
     engine = EngineConfig(wcs=None)
+    if args.weights:
+        engine.model = Path(args.weights) / "target"
+        engine.drafter = DrafterConfig(path=Path(args.weights) / "drafter")
     if args.drafter:
         engine.drafter = DrafterConfig(path=Path(args.drafter))
-    result = run_models_bench(widths=widths, prompts_per_domain=args.prompts, engine=engine, progress=lambda msg: print(msg, flush=True))
+    result = run_models_bench(widths=widths, prompts_per_domain=args.prompts, engine=engine, progress=lambda msg: print(msg, flush=True),
+                              temperature=args.temperature, seed=args.seed)
     print(format_models_bench(result))
     _write_json(args.json, result.model_dump())
     return 0
@@ -746,6 +751,11 @@ def build_parser() -> argparse.ArgumentParser:
     mbench.add_argument("--widths", type=_int_list, default=None, help="comma-separated widths (default 1..block)")
     mbench.add_argument("--prompts", type=int, default=24, help="prompts per domain")
     mbench.add_argument("--drafter", metavar="PATH", help="DFlash checkpoint to bench (default: the embedded drafter)")
+    mbench.add_argument("--weights", metavar="DIR", help="a built pair's folder (DIR/target, DIR/drafter), e.g. "
+                        "replicas/models/weights-next (default: the shipped pair)")
+    mbench.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy; "
+                        "the OpenAI API's default is 1)")
+    mbench.add_argument("--seed", type=int, default=0, help="sampling seed of the first request (one per request)")
     mbench.set_defaults(func=cmd_models_bench)
     mtraces = models_sub.add_parser("traces", help="record acceptance traces through vLLM and score the estimators")
     mtraces.add_argument(

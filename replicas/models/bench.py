@@ -1,7 +1,8 @@
 """`forespark models bench`: acceptance of the embedded drafter through the real vLLM CPU engine.
 
 For each draft width w it starts an engine with `num_speculative_tokens = w`,
-generates the shipped workloads greedily one domain at a time, and reads vLLM's
+generates the shipped workloads one domain at a time (greedily, or sampled at
+`temperature` with a seed per request), and reads vLLM's
 own speculative-decoding counters: per-position acceptance (the share of
 drafts whose first j tokens were all accepted) and mean accepted length
 (accepted drafts + the bonus token per verification step).
@@ -83,6 +84,7 @@ class DomainBench(BaseModel):
 
 class ModelsBench(BaseModel):
     block: int
+    temperature: float = 0.0
     prompts_per_domain: int
     domains: dict[str, DomainBench]
     width_robustness: dict[str, dict[str, float]]  # domain -> w -> anchored relative gap to the truncated full block
@@ -95,6 +97,8 @@ def run_models_bench(
     prompts_per_domain: int = 24,
     engine: EngineConfig | None = None,
     progress: Callable[[str], None] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> ModelsBench:
     from vllm import SamplingParams, TokensPrompt
 
@@ -114,7 +118,8 @@ def run_models_bench(
         recorder = VerdictCounter(llm)
         for domain in DOMAINS:
             before = read_spec_counters(llm)
-            params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens) for p in prompts[domain]]
+            params = [SamplingParams(temperature=temperature, max_tokens=p.max_tokens, seed=seed + i if temperature > 0 else None)
+                      for i, p in enumerate(prompts[domain])]
             outs = llm.generate([p.prompt for p in prompts[domain]], params, use_tqdm=False)
             c = read_spec_counters(llm).minus(before)
             per_domain[domain][str(w)] = WidthResult(
@@ -122,6 +127,8 @@ def run_models_bench(
                 per_position=[a / max(c.drafts, 1) for a in c.accepted_per_pos[:w]],
                 drafts=c.drafts,
             )
+            if temperature > 0:
+                continue
             if domain not in prefixes:  # greedy: every width continues the same way
                 prefixes[domain] = [
                     list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:t]
@@ -143,7 +150,7 @@ def run_models_bench(
         d: DomainBench(mean_accepted_full_width=r[str(block)].mean_accepted_length, per_width=r, anchored_accepted=anchored[d])
         for d, r in per_domain.items()
     }
-    robustness = {d: {str(w): domains[d].anchored_gap(w, block) for w in widths} for d in DOMAINS}
+    robustness = {d: {str(w): domains[d].anchored_gap(w, block) for w in widths} for d in DOMAINS} if temperature == 0 else {}
     free_running = {
         d: {
             str(w): abs(domains[d].per_width[str(w)].mean_accepted_length - domains[d].truncated_full_width(w, block))
@@ -155,6 +162,7 @@ def run_models_bench(
     full = [domains[d].mean_accepted_full_width for d in DOMAINS]
     return ModelsBench(
         block=block,
+        temperature=temperature,
         prompts_per_domain=prompts_per_domain,
         domains=domains,
         width_robustness=robustness,
@@ -174,9 +182,9 @@ def format_models_bench(result: ModelsBench) -> str:
             pos = " ".join(f"{p:.2f}" for p in r.per_position)
             lines.append(
                 f"{d:>7} {w:>5} {r.mean_accepted_length:>13.2f} {trunc:>12.2f} "
-                f"{result.free_running_gap[d][w]:>6.1%} {result.width_robustness[d][w]:>13.1%}  {pos}"
+                f"{result.free_running_gap[d][w]:>6.1%} {result.width_robustness.get(d, {}).get(w, float('nan')):>13.1%}  {pos}"
             )
-    lines.append(f"domain gap at full width: {result.domain_gap:.1%}")
+    lines.append(f"domain gap at full width: {result.domain_gap:.1%} (temperature {result.temperature:g})")
     lines.append(
         "gap: free-running generation (each width starts its steps elsewhere); "
         "anchored gap: the same prefixes for every width"

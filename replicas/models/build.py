@@ -146,16 +146,18 @@ def _spec_differences(a: BuildSpec, b: BuildSpec) -> list[str]:
 def check_resumable(state: dict, spec: BuildSpec) -> None:
     """A checkpoint continues under the spec that wrote it. One change is allowed: more (or fewer)
     `train.target_steps` for a `wsd` schedule with explicit `warmup_steps` while the run is still in the
-    constant part under both step counts, and `train.drafter_steps` before the drafter phase."""
+    constant part under both step counts, and `train.drafter_steps` or `drafter.init_from_target` before the
+    drafter phase."""
     saved = BuildSpec.model_validate(state["spec"])
     diffs = _spec_differences(saved, spec)
-    allowed = {"train.target_steps", "train.drafter_steps"}
+    allowed = {"train.target_steps", "train.drafter_steps", "drafter.init_from_target"}
     other = [d for d in diffs if d.split(":")[0] not in allowed]
     if other:
         raise ValueError("the checkpoint was written under another spec: " + "; ".join(other))
     phase = state["phase"]
-    if saved.train.drafter_steps != spec.train.drafter_steps and phase not in ("target", "continuations"):
-        raise ValueError("train.drafter_steps can change only before the drafter phase")
+    if (saved.train.drafter_steps, saved.drafter.init_from_target) != (spec.train.drafter_steps, spec.drafter.init_from_target) \
+            and phase not in ("target", "continuations") and not (phase == "drafter" and "drafter" not in state):
+        raise ValueError("train.drafter_steps and drafter.init_from_target can change only before the drafter phase")
     if saved.train.target_steps != spec.train.target_steps:
         if phase != "target":
             raise ValueError("train.target_steps can change only while the target trains")
@@ -475,6 +477,9 @@ def build(
             sampled = state["continuations"]["sampled"]
 
         drafter = DFlashDrafter(spec.drafter, spec.target.hidden_size)
+        if spec.drafter.init_from_target:
+            with torch.no_grad():
+                drafter.norm.weight.copy_(target.model.norm.weight)
         continuations_part = {"sequences": sequences, "sampled": sampled}
         if phase == "drafter":
             trainer = DrafterTrainer(drafter, target, sequences, spec.drafter, spec.train, mask_id)

@@ -38,6 +38,9 @@ class DrafterSpec(BaseModel):
     target_layer_ids: list[int] = Field(default_factory=lambda: [1, 3], description="0-based target layers fused")
     causal: bool = True
     rope_theta: float = 10000.0
+    init_from_target: bool = Field(default=False, description="start the drafter's output norm from the target's final norm, "
+                                   "so that its logits start at the target's scale (a trained target's embeddings are large: "
+                                   "from a unit norm the first logits were ~40 nats off)")
 
 
 class CorpusSpec(BaseModel):

@@ -12,8 +12,10 @@ each of Serve's routers does; admission's feedback is shared. Routers:
 - `lor`: least outstanding requests.
 
 A replica takes at most `max_ongoing_requests`; a request no replica can take waits at the ingress and is
-decided again (with the time it waited, first come first served) whenever a request completes. A refused request is answered 429 at
-once. Each request becomes a `loadtest.report.RequestRow`, so reports are the load test's own.
+decided again (with the time it waited, first come first served) whenever a request completes. A refused
+request is answered 429 at once. With `autoscaling`, only the replicas the autoscaler has serving take
+requests (`cluster/sim/autoscaler.py`). Each request becomes a `loadtest.report.RequestRow`, so reports
+are the load test's own.
 """
 
 from __future__ import annotations

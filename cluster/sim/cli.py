@@ -128,7 +128,11 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     fleet, load, slo = _inputs(args, args.rate)
     fleet = variant_fleet(fleet, VARIANTS["wcs"], slo)
     print(_label(fleet))
-    scaling = SimAutoscaling(min_replicas=args.min_replicas, max_replicas=args.max_replicas or fleet.replicas,
+    from cluster.autoscale import HeadroomScaling
+
+    low, high = (float(x) for x in args.headroom_band.split(","))
+    headroom = HeadroomScaling(target=args.headroom_target, scale_down_below=low, scale_up_above=high)
+    scaling = SimAutoscaling(min_replicas=args.min_replicas, max_replicas=args.max_replicas or fleet.replicas, headroom=headroom,
                              startup_s=args.startup_s, upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
 
     def shown(row) -> None:
@@ -291,6 +295,8 @@ def add_parser(sub) -> None:
     scale = ss.add_parser("autoscale", help="the headroom autoscaling policy against Serve's default (replica-seconds, attainment)")
     scale.add_argument("--rate", type=float, required=True, help="base request rate (req/s) of the load shape")
     scale.add_argument("--target-ongoing", default="64,128", help="Serve default policy's target_ongoing_requests values to run")
+    scale.add_argument("--headroom-target", type=float, default=0.6, help="utilisation the headroom policy scales to")
+    scale.add_argument("--headroom-band", default="0.4,0.75", help="utilisation band inside which the headroom policy holds")
     scale.add_argument("--min-replicas", type=int, default=1)
     scale.add_argument("--max-replicas", type=int, default=None, help="default: --replicas")
     scale.add_argument("--startup-s", type=float, default=30.0, help="from a replica's start to its first request")

@@ -194,7 +194,12 @@ def decide(
     tpot = np.where(has_cost, fc.tpot * stretch, 0.0)
     if corrections is not None:
         ttft, tpot = corrections.ttft(ttft), np.where(has_cost, corrections.tpot(tpot), 0.0)
-    tpot_slo = tpot_slo * config.tpot_share
+    # A replica that cannot meet the TPOT SLO with one request alone (a slow host, or a profile taken under
+    # contention until the realised TPOT corrects it) keeps the SLO's headroom above that instead: refusing
+    # every request would protect nothing, and with nothing admitted nothing would ever be measured.
+    alone = np.where(has_cost, np.maximum(f.base_step_ms + (1.0 - f.running) * f.base_request_ms, 0.0) * stretch, 0.0)
+    floor = alone / config.tpot_share
+    tpot_slo = np.maximum(tpot_slo * config.tpot_share, floor)
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0)
@@ -204,7 +209,7 @@ def decide(
     excess = np.maximum(fc.queued, np.nan_to_num(tpot_excess, posinf=0.0)) + 1.0
     drain_s = float(np.min(excess / rate))
     retry = int(min(max(math.ceil(drain_s), 1), config.max_retry_after_s))
-    full = not (tpot <= app_tpot_slo * config.tpot_share).any()
+    full = not (tpot <= np.maximum(app_tpot_slo * config.tpot_share, floor)).any()
     return Decision(False, feasible, ttft, tpot, retry, full)
 
 

@@ -50,6 +50,24 @@ def test_admits_while_predicted_ttft_and_tpot_fit_and_refuses_when_they_do_not()
     assert one(stats(30), config=CONFIG.model_copy(update={"tpot_ms": 30.0})).admit
 
 
+def test_a_replica_too_slow_for_the_slo_alone_is_held_to_the_slos_headroom_above_its_own_tpot():
+    # One request alone takes ~30 ms a token where the SLO is 20 ms (a slow host, or a profile taken under
+    # contention): refusing everything would protect nothing, and nothing would ever be measured.
+    slow = StepCostModel.linear(intercept_ms=30.0, per_request_ms=0.2, per_draft_ms=0.2, per_target_ms=0.3)
+    config = AdmissionConfig(ttft_ms=500.0, tpot_share=0.75)
+
+    def slow_stats(running):
+        return routing_stats(cost=slow, running=running, waiting=0, kv_usage=0.1, max_num_seqs=64, token_budget=4096,
+                             cap_ms=20.0, mix=StepMix(), predicted_accept_len=1.0)
+
+    assert one(slow_stats(0), config=config).admit
+    assert one(slow_stats(10), config=config).admit  # 35.5 ms against 30.2 / 0.75
+    d = one(slow_stats(30), config=config)
+    assert not d.admit and d.full  # 45.5 ms: past the headroom the SLO gives above one request alone
+    # Control: where one request meets the SLO, the SLO itself holds (8.2 ms alone; 15 ms = 0.75 x 20).
+    assert one(stats(10), config=config).admit and not one(stats(16), config=config).admit
+
+
 def test_a_refusal_picks_the_replica_that_fits_and_retry_after_grows_with_the_queue():
     fleet = FleetArrays([stats(30), stats(4)])
     d = decide(fleet, np.zeros(2), 1.0, 20.0, np.array([10.0, 10.0]), CONFIG)

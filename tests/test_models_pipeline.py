@@ -18,6 +18,7 @@ from replicas.models.distill import (
     DrafterTrainer,
     continuation_batches,
     continuation_plan,
+    distill_loss,
     target_continuations,
 )
 from replicas.models.dflash import DFlashDrafter
@@ -222,16 +223,19 @@ def test_target_resume_takes_the_same_next_step_as_an_uninterrupted_run(bf16):
     assert not torch.equal(blank.model.lm_head.weight, full.model.lm_head.weight)
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_drafter_resume_takes_the_same_next_step(bf16):
-    train = TINY_TRAIN.model_copy(update={"bf16_autocast": bf16})
+@pytest.mark.parametrize("bf16,corpus_share", [(False, 0.0), (True, 0.0), (False, 0.5)])
+def test_drafter_resume_takes_the_same_next_step(bf16, corpus_share):
+    train = TINY_TRAIN.model_copy(update={"bf16_autocast": bf16, "drafter_corpus_share": corpus_share,
+                                          "drafter_labels": "target_argmax" if corpus_share else "sequence"})
     torch.manual_seed(0)
     target = new_target(TINY_TARGET, 0, 0).eval()
     seqs = torch.randint(1, 300, (6, 20))
+    streams = random_streams()
 
     def trainer():
         torch.manual_seed(5)
-        return DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, mask_token_id=1)
+        return DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, mask_token_id=1,
+                              streams=streams)
 
     full = trainer()
     for _ in range(4):
@@ -246,6 +250,69 @@ def test_drafter_resume_takes_the_same_next_step(bf16):
     assert resumed.losses == full.losses
     for a, b in zip(full.drafter.parameters(), resumed.drafter.parameters()):
         assert torch.equal(a, b)
+
+
+def _loss_inputs(seed: int = 0):
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(TINY_DRAFTER, 32)
+    b, t, v = 2, 20, 300
+    teacher = torch.randn(b, t, v) * 3
+    aux = torch.randn(b, t, 64)
+    anchors = torch.tensor([[3, 7, 10], [4, 8, 12]])
+    embed = torch.randn(v, 32)
+    return drafter, teacher, aux, anchors, embed
+
+
+def test_distill_loss_labels_and_position_weights():
+    drafter, teacher, aux, anchors, embed = _loss_inputs()
+    args = (aux, anchors, embed, TINY_DRAFTER, 1)
+    # The target's argmax chain as the sequence: both kinds of labels are the same tokens.
+    chain = torch.cat([torch.zeros(2, 1, dtype=torch.long), teacher.argmax(-1)[:, :-1]], dim=1)
+    same = distill_loss(drafter, chain, teacher, *args, 0.5, labels="sequence")
+    assert torch.allclose(same, distill_loss(drafter, chain, teacher, *args, 0.5, labels="target_argmax"))
+    # Control: on other text the labels differ, and so does the loss.
+    other = torch.randint(1, 300, (2, 20))
+    assert not torch.allclose(distill_loss(drafter, other, teacher, *args, 0.5, labels="sequence"),
+                              distill_loss(drafter, other, teacher, *args, 0.5, labels="target_argmax"))
+    # Position weights: with a decay the first position dominates (its CE, computed alone, recovers the loss).
+    block = torch.full((*anchors.shape, 5), 1, dtype=torch.long)
+    block[..., 0] = torch.gather(other, 1, anchors)
+    log_q = torch.log_softmax(drafter(aux, block, anchors, embed), -1).detach()
+    labels = torch.gather(other, 1, (anchors[..., None] + torch.arange(1, 5)).flatten(1)).view(2, 3, 4)
+    ce = -torch.gather(log_q, -1, labels[..., None]).squeeze(-1).mean(dim=(0, 1))  # per position
+    w = torch.exp(-torch.arange(4.0) / 0.5)
+    expected = float((ce * w / w.mean()).mean())
+    got = float(distill_loss(drafter, other, teacher, *args, 0.0, labels="sequence", position_decay=0.5))
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert float(distill_loss(drafter, other, teacher, *args, 0.0)) == pytest.approx(float(ce.mean()), rel=1e-5)
+
+
+def test_drafter_batches_mix_training_text_in_at_the_configured_share():
+    target = new_target(TINY_TARGET, 0, 0).eval()
+    seqs = torch.full((6, 20), 7)  # continuations of a single token: training text is anything else
+    train = TINY_TRAIN.model_copy(update={"drafter_batch": 4, "drafter_corpus_share": 0.5, "drafter_corpus_min_context": 2})
+    trainer = DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, 1, random_streams())
+    rows, anchors = trainer.batch()
+    assert rows.shape == (4, 20) and anchors.shape == (4, 3)
+    assert [bool((r == 7).all()) for r in rows] == [True, True, False, False]
+    assert int(anchors[2:].min()) >= 2 and int(anchors[:2].min()) >= trainer.lo
+    control = DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, TINY_TRAIN, 1)
+    assert bool((control.batch()[0] == 7).all())
+    with pytest.raises(ValueError, match="token streams"):
+        DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, 1)
+
+
+def test_drafter_settings_change_only_before_the_drafter_phase():
+    spec = BuildSpec()
+    new = spec.model_copy(update={
+        "drafter": spec.drafter.model_copy(update={"num_layers": 3}),
+        "train": spec.train.model_copy(update={"drafter_labels": "target_argmax", "kl_weight": 0.1}),
+    })
+    build_mod.check_resumable({"spec": spec.model_dump(mode="json"), "phase": "drafter"}, new)  # not started
+    started = {"spec": spec.model_dump(mode="json"), "phase": "drafter", "drafter": {"step": 3}}
+    with pytest.raises(ValueError, match="drafter.num_layers"):
+        build_mod.check_resumable(started, new)
+    build_mod.check_resumable(started, spec)  # control: the same spec resumes
 
 
 def test_compact_checkpoint_is_small_and_resumes_close_to_the_full_one():
@@ -373,8 +440,8 @@ def test_resume_refuses_another_spec(tmp_path, monkeypatch):
     with pytest.raises(build_mod.Interrupted):
         build_mod.build(tmp_path / "o", tiny_spec(), checkpoint_dir=cdir, log=lambda _m: None, stop_after=lambda p, s: p == "target" and s == 2)
     other = tiny_spec()
-    other.train.kl_weight = 2.0
-    with pytest.raises(ValueError, match="train.kl_weight"):
+    other.train.target_lr = 1.0
+    with pytest.raises(ValueError, match="train.target_lr"):
         build_mod.build(tmp_path / "o", other, checkpoint_dir=cdir, resume=True, log=lambda _m: None)
 
 

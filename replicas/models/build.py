@@ -143,21 +143,28 @@ def _spec_differences(a: BuildSpec, b: BuildSpec) -> list[str]:
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
+def _drafter_phase_setting(name: str) -> bool:
+    """Settings that only the drafter phase reads: the drafter's shape and its training."""
+    return name.startswith(("drafter.", "train.drafter_")) or name == "train.kl_weight"
+
+
 def check_resumable(state: dict, spec: BuildSpec) -> None:
-    """A checkpoint continues under the spec that wrote it. One change is allowed: more (or fewer)
+    """A checkpoint continues under the spec that wrote it. Two kinds of change are allowed: more (or fewer)
     `train.target_steps` for a `wsd` schedule with explicit `warmup_steps` while the run is still in the
-    constant part under both step counts, and `train.drafter_steps` or `drafter.init_from_target` before the
-    drafter phase."""
+    constant part under both step counts, and any drafter-phase setting (`drafter.*`, `train.drafter_*`,
+    `train.kl_weight`) before the drafter phase has started."""
     saved = BuildSpec.model_validate(state["spec"])
-    diffs = _spec_differences(saved, spec)
-    allowed = {"train.target_steps", "train.drafter_steps", "drafter.init_from_target"}
-    other = [d for d in diffs if d.split(":")[0] not in allowed]
+    diffs = {d.split(":")[0]: d for d in _spec_differences(saved, spec)}
+    # bfloat16 autocast is a speed setting (emulated, ~10x slower, on a CPU without AVX512-BF16): any resume may change it.
+    other = [d for k, d in diffs.items()
+             if k not in ("train.target_steps", "train.bf16_autocast") and not _drafter_phase_setting(k)]
     if other:
         raise ValueError("the checkpoint was written under another spec: " + "; ".join(other))
     phase = state["phase"]
-    if (saved.train.drafter_steps, saved.drafter.init_from_target) != (spec.train.drafter_steps, spec.drafter.init_from_target) \
-            and phase not in ("target", "continuations") and not (phase == "drafter" and "drafter" not in state):
-        raise ValueError("train.drafter_steps and drafter.init_from_target can change only before the drafter phase")
+    drafter_started = phase == "evaluation" or (phase == "drafter" and "drafter" in state)
+    changed = [k for k in diffs if _drafter_phase_setting(k)]
+    if changed and drafter_started:
+        raise ValueError(f"drafter-phase settings ({', '.join(changed)}) can change only before the drafter phase")
     if saved.train.target_steps != spec.train.target_steps:
         if phase != "target":
             raise ValueError("train.target_steps can change only while the target trains")
@@ -206,7 +213,7 @@ def estimate_seconds(spec: BuildSpec, eos_id: int, mask_id: int, repeats: int = 
                 anchors = torch.randint(t.distill_prompt_len - 1, length - spec.drafter.block - 1, (t.drafter_batch, t.drafter_anchors))
                 with torch.enable_grad():
                     distill_loss(drafter, seqs, logits.float(), aux, anchors, target.get_input_embeddings().weight.detach(),
-                                 spec.drafter, mask_id, t.kl_weight).backward()
+                                 spec.drafter, mask_id, t.kl_weight, t.drafter_labels, t.drafter_position_decay).backward()
             drafter.zero_grad(set_to_none=True)
 
         prompts = torch.randint(0, v, (min(t.distill_gen_batch, t.distill_prompts), t.distill_prompt_len))
@@ -482,7 +489,7 @@ def build(
                 drafter.norm.weight.copy_(target.model.norm.weight)
         continuations_part = {"sequences": sequences, "sampled": sampled}
         if phase == "drafter":
-            trainer = DrafterTrainer(drafter, target, sequences, spec.drafter, spec.train, mask_id)
+            trainer = DrafterTrainer(drafter, target, sequences, spec.drafter, spec.train, mask_id, streams)
             if state is not None and state["phase"] == "drafter" and "drafter" in state:
                 trainer.load_state_dict(state["drafter"])
                 torch.set_rng_state(state["torch_rng"])

@@ -105,10 +105,13 @@ class DrafterTrainer:
     """The drafter's training loop one step at a time, its whole state in `state_dict()` (see TargetTrainer)."""
 
     def __init__(
-        self, drafter: DFlashDrafter, target, sequences: torch.Tensor, spec: DrafterSpec, train: TrainSpec, mask_token_id: int
+        self, drafter: DFlashDrafter, target, sequences: torch.Tensor, spec: DrafterSpec, train: TrainSpec, mask_token_id: int,
+        streams: TokenStreams | None = None,
     ) -> None:
         torch.manual_seed(train.seed + 2)
-        self.drafter, self.target, self.sequences = drafter, target, sequences
+        if train.drafter_corpus_share > 0 and streams is None:
+            raise ValueError("train.drafter_corpus_share needs the training text's token streams")
+        self.drafter, self.target, self.sequences, self.streams = drafter, target, sequences, streams
         self.spec, self.train, self.mask_token_id = spec, train, mask_token_id
         self.rng = np.random.default_rng(train.seed + 2)
         self.embed = target.get_input_embeddings().weight.detach()
@@ -124,16 +127,29 @@ class DrafterTrainer:
     def done(self) -> bool:
         return self.step >= self.train.drafter_steps
 
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequences [B, T], anchors [B, N]): continuations, then `drafter_corpus_share` of training-text windows."""
+        train = self.train
+        n_text = int(round(train.drafter_batch * train.drafter_corpus_share))
+        n_cont = train.drafter_batch - n_text
+        rows = torch.from_numpy(self.rng.integers(0, len(self.sequences), n_cont))
+        anchors = self.rng.integers(self.lo, self.hi + 1, (n_cont, train.drafter_anchors))
+        if not n_text:
+            return self.sequences[rows], torch.from_numpy(anchors)
+        text = torch.from_numpy(self.streams.mixed_windows(self.sequences.shape[1], n_text, train.distill_code_share, self.rng))
+        lo = min(train.drafter_corpus_min_context, self.hi)
+        text_anchors = self.rng.integers(lo, self.hi + 1, (n_text, train.drafter_anchors))
+        return torch.cat([self.sequences[rows], text]), torch.from_numpy(np.concatenate([anchors, text_anchors]))
+
     def run_step(self) -> float:
         spec, train = self.spec, self.train
-        rows = torch.from_numpy(self.rng.integers(0, len(self.sequences), train.drafter_batch))
-        seqs = self.sequences[rows]
+        seqs, anchors = self.batch()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
             with torch.no_grad():
                 teacher_logits, aux = target_features(self.target, seqs, spec.target_layer_ids)
-            anchors = torch.from_numpy(self.rng.integers(self.lo, self.hi + 1, (train.drafter_batch, train.drafter_anchors)))
             loss = distill_loss(
-                self.drafter, seqs, teacher_logits.float(), aux, anchors, self.embed, spec, self.mask_token_id, train.kl_weight
+                self.drafter, seqs, teacher_logits.float(), aux, anchors, self.embed, spec, self.mask_token_id, train.kl_weight,
+                labels=train.drafter_labels, position_decay=train.drafter_position_decay,
             )
         self.losses.append(self.opt.step(loss))
         self.step += 1
@@ -161,24 +177,32 @@ class DrafterTrainer:
 def distill_loss(
     drafter: DFlashDrafter, seqs: torch.Tensor, teacher_logits: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
     embed: torch.Tensor, spec: DrafterSpec, mask_token_id: int, kl_weight: float,
+    labels: str = "sequence", position_decay: float = 0.0,
 ) -> torch.Tensor:
-    """CE on the sequence's tokens (the target's greedy or sampled ones) + kl_weight x KL(target || drafter)
-    per drafted position of blocks anchored at `anchors`."""
+    """CE on the sequence's tokens (`labels="sequence"`: the target's greedy or sampled ones) or on the target's
+    argmax at each position (`"target_argmax"`), + kl_weight x KL(target || drafter), per drafted position of
+    blocks anchored at `anchors`; block position j weighs exp(-(j-1)/position_decay) (uniform at 0)."""
     offsets = torch.arange(1, spec.block + 1)
     block = torch.full((*anchors.shape, spec.block + 1), mask_token_id, dtype=torch.long)
     block[..., 0] = torch.gather(seqs, 1, anchors)
     logits = drafter(aux, block, anchors, embed)  # [B, N, block, V]
     label_pos = anchors[..., None] + offsets  # slot j predicts x_{P+j}
-    labels = torch.gather(seqs, 1, label_pos.flatten(1)).view_as(label_pos)
     teacher = torch.gather(
         teacher_logits, 1, (label_pos - 1).flatten(1)[..., None].expand(-1, -1, teacher_logits.shape[-1])
     ).view_as(logits)
+    if labels == "target_argmax":
+        want = teacher.argmax(-1)
+    elif labels == "sequence":
+        want = torch.gather(seqs, 1, label_pos.flatten(1)).view_as(label_pos)
+    else:
+        raise ValueError(f"unknown drafter labels {labels!r}")
+    weights = torch.ones(spec.block) if position_decay <= 0 else torch.exp(-(offsets - 1).float() / position_decay)
+    weights = weights / weights.mean()
     log_q = F.log_softmax(logits.float(), dim=-1)
-    ce = F.nll_loss(log_q.flatten(0, 2), labels.flatten())
-    kl = F.kl_div(log_q, F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean") / (
-        anchors.shape[1] * spec.block
-    )
-    return ce + kl_weight * kl
+    ce = -torch.gather(log_q, -1, want[..., None]).squeeze(-1)  # [B, N, block]
+    log_p = F.log_softmax(teacher, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (ce * weights).mean() + kl_weight * (kl * weights).mean()
 
 
 def train_drafter(
@@ -189,8 +213,9 @@ def train_drafter(
     train: TrainSpec,
     mask_token_id: int,
     progress: Callable[[int, float], None] | None = None,
+    streams: TokenStreams | None = None,
 ) -> list[float]:
-    trainer = DrafterTrainer(drafter, target, sequences, spec, train, mask_token_id)
+    trainer = DrafterTrainer(drafter, target, sequences, spec, train, mask_token_id, streams)
     while not trainer.done:
         loss = trainer.run_step()
         if progress:

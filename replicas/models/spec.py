@@ -93,6 +93,20 @@ class TrainSpec(BaseModel):
     )
     eval_every: int = Field(default=0, ge=0, description="held-out perplexity every this many target steps (0: never)")
     eval_windows: int = Field(default=16, ge=1, description="held-out windows per domain of the periodic evaluation")
+    drafter_labels: Literal["sequence", "target_argmax"] = Field(
+        default="sequence",
+        description="the drafter's cross-entropy labels: the training sequence's own tokens, or the target's argmax at each "
+        "position (the draft greedy verification accepts, and the one sampled verification accepts most often)",
+    )
+    drafter_position_decay: float = Field(
+        default=0.0, ge=0.0, description="weight block position j by exp(-(j-1)/decay), as DFlash trains: a later draft "
+        "counts only when every earlier one was accepted (0: all positions alike)"
+    )
+    drafter_corpus_share: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="share of each drafter batch that is training text instead of continuations "
+        "(far more distinct text than the continuations; pair it with drafter_labels target_argmax)"
+    )
+    drafter_corpus_min_context: int = Field(default=8, ge=1, description="blocks in training text start after this many tokens")
 
 
 class BuildSpec(BaseModel):

@@ -274,6 +274,16 @@ def test_distill_loss_labels_and_position_weights():
     other = torch.randint(1, 300, (2, 20))
     assert not torch.allclose(distill_loss(drafter, other, teacher, *args, 0.5, labels="sequence"),
                               distill_loss(drafter, other, teacher, *args, 0.5, labels="target_argmax"))
+    # Off the greedy chain a later slot has no label: text changed past the first token the target would not
+    # have chosen leaves the loss as it was (control: as labels, the text's own tokens change it).
+    off = chain.clone()
+    off[0, 4] = (off[0, 4] + 1) % 300  # anchor 3: slot 1 keeps its label, slots 2-4 leave the chain
+    later = off.clone()
+    later[0, 6] = (later[0, 6] + 7) % 300
+    assert torch.allclose(distill_loss(drafter, off, teacher, *args, 0.5, labels="target_argmax"),
+                          distill_loss(drafter, later, teacher, *args, 0.5, labels="target_argmax"))
+    assert not torch.allclose(distill_loss(drafter, off, teacher, *args, 0.5, labels="sequence"),
+                              distill_loss(drafter, later, teacher, *args, 0.5, labels="sequence"))
     # Position weights: with a decay the first position dominates (its CE, computed alone, recovers the loss).
     block = torch.full((*anchors.shape, 5), 1, dtype=torch.long)
     block[..., 0] = torch.gather(other, 1, anchors)

@@ -180,8 +180,9 @@ def distill_loss(
     labels: str = "sequence", position_decay: float = 0.0,
 ) -> torch.Tensor:
     """CE on the sequence's tokens (`labels="sequence"`: the target's greedy or sampled ones) or on the target's
-    argmax at each position (`"target_argmax"`), + kl_weight x KL(target || drafter), per drafted position of
-    blocks anchored at `anchors`; block position j weighs exp(-(j-1)/position_decay) (uniform at 0)."""
+    greedy draft (`"target_argmax"`: its argmax, where the text since the anchor is its greedy chain), +
+    kl_weight x KL(target || drafter), per drafted position of blocks anchored at `anchors`; block position j
+    weighs exp(-(j-1)/position_decay) (uniform at 0)."""
     offsets = torch.arange(1, spec.block + 1)
     block = torch.full((*anchors.shape, spec.block + 1), mask_token_id, dtype=torch.long)
     block[..., 0] = torch.gather(seqs, 1, anchors)
@@ -190,19 +191,26 @@ def distill_loss(
     teacher = torch.gather(
         teacher_logits, 1, (label_pos - 1).flatten(1)[..., None].expand(-1, -1, teacher_logits.shape[-1])
     ).view_as(logits)
+    text = torch.gather(seqs, 1, label_pos.flatten(1)).view_as(label_pos)
+    weights = torch.ones(spec.block) if position_decay <= 0 else torch.exp(-(offsets - 1).float() / position_decay)
+    weights = (weights / weights.mean()).expand_as(label_pos)
     if labels == "target_argmax":
         want = teacher.argmax(-1)
+        # The target's argmax at slot j is the greedy draft only where the text between the anchor and that
+        # slot is the greedy one too (always in a greedy continuation; in sampled or training text, until
+        # the first token the target would not have chosen): later slots there have no label.
+        on_chain = torch.cumprod((text == want).float(), dim=-1)
+        weights = weights * torch.cat([torch.ones_like(on_chain[..., :1]), on_chain[..., :-1]], dim=-1)
     elif labels == "sequence":
-        want = torch.gather(seqs, 1, label_pos.flatten(1)).view_as(label_pos)
+        want = text
     else:
         raise ValueError(f"unknown drafter labels {labels!r}")
-    weights = torch.ones(spec.block) if position_decay <= 0 else torch.exp(-(offsets - 1).float() / position_decay)
-    weights = weights / weights.mean()
     log_q = F.log_softmax(logits.float(), dim=-1)
     ce = -torch.gather(log_q, -1, want[..., None]).squeeze(-1)  # [B, N, block]
     log_p = F.log_softmax(teacher, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    return (ce * weights).mean() + kl_weight * (kl * weights).mean()
+    total = weights.sum().clamp_min(1e-9)
+    return (ce * weights).sum() / total + kl_weight * (kl * weights).sum() / total
 
 
 def train_drafter(

@@ -176,9 +176,7 @@ def decide(
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room)
     ttft_slo = min(config.ttft_ms, slo.ttft_ms) if slo and slo.ttft_ms else config.ttft_ms
-    tpot_slo = app_tpot_slo = f.cap_ms if config.tpot_ms is None else np.full_like(f.cap_ms, config.tpot_ms)
-    if slo and slo.tpot_ms:
-        tpot_slo = np.minimum(tpot_slo, slo.tpot_ms)
+    app_tpot_slo = f.cap_ms if config.tpot_ms is None else np.full_like(f.cap_ms, config.tpot_ms)
     rate = np.maximum(drain_rate, config.min_drain_rate)
     wait_ms = fc.queued * 1000.0 / rate
     has_cost = f.has_cost
@@ -194,12 +192,15 @@ def decide(
     tpot = np.where(has_cost, fc.tpot * stretch, 0.0)
     if corrections is not None:
         ttft, tpot = corrections.ttft(ttft), np.where(has_cost, corrections.tpot(tpot), 0.0)
-    # A replica that cannot meet the TPOT SLO with one request alone (a slow host, or a profile taken under
-    # contention until the realised TPOT corrects it) keeps the SLO's headroom above that instead: refusing
-    # every request would protect nothing, and with nothing admitted nothing would ever be measured.
+    # A replica that cannot meet the application's TPOT SLO with one request alone (a slow host, or a profile
+    # taken under contention until the realised TPOT corrects it) keeps the SLO's headroom above that instead:
+    # refusing every request would protect nothing, and with nothing admitted nothing would ever be measured.
+    # A request's own tighter SLO still holds as asked.
     alone = np.where(has_cost, np.maximum(f.base_step_ms + (1.0 - f.running) * f.base_request_ms, 0.0) * stretch, 0.0)
     floor = alone / config.tpot_share
-    tpot_slo = np.maximum(tpot_slo * config.tpot_share, floor)
+    tpot_slo = np.maximum(app_tpot_slo * config.tpot_share, floor)
+    if slo and slo.tpot_ms:
+        tpot_slo = np.minimum(tpot_slo, slo.tpot_ms * config.tpot_share)
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0)

@@ -64,6 +64,7 @@ def test_a_replica_too_slow_for_the_slo_alone_is_held_to_the_slos_headroom_above
     assert one(slow_stats(10), config=config).admit  # 35.5 ms against 30.2 / 0.75
     d = one(slow_stats(30), config=config)
     assert not d.admit and d.full  # 45.5 ms: past the headroom the SLO gives above one request alone
+    assert not one(slow_stats(0), config=config, slo=RequestSLO(tpot_ms=20.0)).admit  # a request's own SLO holds
     # Control: where one request meets the SLO, the SLO itself holds (8.2 ms alone; 15 ms = 0.75 x 20).
     assert one(stats(10), config=config).admit and not one(stats(16), config=config).admit
 

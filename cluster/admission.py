@@ -198,9 +198,8 @@ def decide(
     # A request's own tighter SLO still holds as asked.
     alone = np.where(has_cost, np.maximum(f.base_step_ms + (1.0 - f.running) * f.base_request_ms, 0.0) * stretch, 0.0)
     floor = alone / config.tpot_share
-    tpot_slo = np.maximum(app_tpot_slo * config.tpot_share, floor)
-    if slo and slo.tpot_ms:
-        tpot_slo = np.minimum(tpot_slo, slo.tpot_ms * config.tpot_share)
+    app_limit = np.maximum(app_tpot_slo * config.tpot_share, floor)
+    tpot_slo = np.minimum(app_limit, slo.tpot_ms * config.tpot_share) if slo and slo.tpot_ms else app_limit
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0)
@@ -210,7 +209,7 @@ def decide(
     excess = np.maximum(fc.queued, np.nan_to_num(tpot_excess, posinf=0.0)) + 1.0
     drain_s = float(np.min(excess / rate))
     retry = int(min(max(math.ceil(drain_s), 1), config.max_retry_after_s))
-    full = not (tpot <= np.maximum(app_tpot_slo * config.tpot_share, floor)).any()
+    full = not (tpot <= app_limit).any()
     return Decision(False, feasible, ttft, tpot, retry, full)
 
 

@@ -97,6 +97,9 @@ class AdmissionConfig(BaseModel):
     feedback_window: int = Field(default=32, ge=0, description="admitted requests whose measured TTFT and TPOT "
                                  "correct the predictions (SLOFeedback; 0: no feedback)")
     feedback_max_age_s: float = Field(default=10.0, gt=0, description="measurements older than this are dropped")
+    feedback_min_tokens: int = Field(default=16, ge=2, description="a request's TPOT is measured only when it "
+                                     "generated at least this many tokens: over a few tokens the stream's start "
+                                     "and end dominate, and corrections learned from them refused a light load")
     feedback_quantile: float = Field(default=0.9, gt=0, lt=1, description="the correction is this quantile of "
                                      "the recent errors: the predictions are held to the SLOs with it added")
     probe_s: float = Field(default=1.0, gt=0, description="while the corrected predictions refuse everything, "
@@ -269,14 +272,21 @@ class SLOFeedback:
         self._cached: Corrections | None = None
 
     def observe(
-        self, predicted: tuple[float, float], ttft_ms: float, tpot_ms: float | None, now: float | None = None
+        self,
+        predicted: tuple[float, float],
+        ttft_ms: float,
+        tpot_ms: float | None,
+        now: float | None = None,
+        tokens: int | None = None,
     ) -> None:
-        """One admitted request: its predicted (TTFT, TPOT) and its measured ones (TPOT None: one token)."""
+        """One admitted request: its predicted (TTFT, TPOT) and its measured ones (TPOT None: one token),
+        over `tokens` generated tokens (None: unknown, taken as enough)."""
         if self.config.feedback_window == 0:
             return
         now = time.monotonic() if now is None else now
         self._ttft.append((now, ttft_ms - predicted[0]))
-        if tpot_ms is not None and predicted[1] > 0:
+        enough = tokens is None or tokens >= self.config.feedback_min_tokens
+        if tpot_ms is not None and predicted[1] > 0 and enough:
             self._tpot.append((now, predicted[1], tpot_ms))
         self._cached = None
 
@@ -398,15 +408,21 @@ class AdmissionLoop:
             self._routed.popitem(last=False)
 
     def finished(
-        self, ticket: int, ttft_ms: float | None = None, tpot_ms: float | None = None, now: float | None = None
+        self,
+        ticket: int,
+        ttft_ms: float | None = None,
+        tpot_ms: float | None = None,
+        now: float | None = None,
+        tokens: int | None = None,
     ) -> None:
-        """The ingress's measurement (`ttft_ms` None: none to report, the ticket is let go)."""
+        """The ingress's measurement over `tokens` generated tokens (`ttft_ms` None: none to report, the
+        ticket is let go)."""
         routed = self._routed.pop(ticket, None)
         if routed is None or ttft_ms is None:
             return
         now = time.monotonic() if now is None else now
         replica, ttft_predicted, since = routed
-        self.feedback.observe((ttft_predicted, self._life_forecast(replica, since, now)), ttft_ms, tpot_ms, now)
+        self.feedback.observe((ttft_predicted, self._life_forecast(replica, since, now)), ttft_ms, tpot_ms, now, tokens)
 
     def _life_forecast(self, replica: Hashable, since: float, until: float) -> float:
         """The replica's batch TPOT forecast averaged over [since, until], each forecast holding until the next."""

@@ -191,7 +191,8 @@ class HandleBackend:
             if measure and first is not None:
                 # Without usage in the stream, its data events (at least one per token batch) stand in for tokens.
                 n, end = tokens or chunks, time.perf_counter()
-                loop.finished(ticket, (first - start) * 1000.0, (end - first) * 1000.0 / (n - 1) if n > 1 else None)
+                tpot = (end - first) * 1000.0 / (n - 1) if n > 1 else None
+                loop.finished(ticket, (first - start) * 1000.0, tpot, tokens=n)
         except Exception as e:  # the replica failed, or its code raised, mid-stream: end the stream properly
             logger.warning("engine stream failed: %s", e)
             raised = raised_by_replica(e)

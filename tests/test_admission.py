@@ -204,6 +204,18 @@ def test_slo_feedback_corrects_ttft_by_a_quantile_and_tpot_by_a_line_and_only_on
     assert off.corrections() == Corrections()
 
 
+def test_tpot_of_a_few_tokens_is_not_measured():
+    # A 4-token stream's TPOT is mostly its start and end (measured 4x the ITL of long streams on one host):
+    # learned from, it refused most of a light load.
+    config = AdmissionConfig(feedback_window=16, feedback_min_tokens=16)
+    short, long = SLOFeedback(config), SLOFeedback(config)
+    for k in range(16):
+        short.observe((100.0, 10.0), 100.0, 40.0, now=0.0, tokens=4)
+        long.observe((100.0, 10.0), 100.0, 40.0, now=0.0, tokens=32)  # control: long enough, it counts
+    assert short.corrections(0.0).tpot(10.0) == pytest.approx(10.0)
+    assert long.corrections(0.0).tpot(10.0) == pytest.approx(40.0)
+
+
 def test_tpot_measured_at_light_load_is_not_extrapolated_as_a_ratio():
     # Measured at light load (served TPOT 2.5-3.5 ms predicted, 7-10 ms measured: the stream relay's part).
     rng = np.random.default_rng(0)

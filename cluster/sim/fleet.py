@@ -442,7 +442,9 @@ class Fleet:
                     if self.loop is not None:
                         self.loop.gate.open()
                         if r.ticket is not None:
-                            self.loop.finished(r.ticket, _ttft_ms(r, self.config.request_ms), _tpot_ms(r), now)
+                            self.loop.finished(
+                                r.ticket, _ttft_ms(r, self.config.request_ms), _tpot_ms(r), now, r.generated
+                            )
                 start(i, now)
                 # Waiting requests are placed first come, first served (Serve's FIFO pending queue): the first
                 # that finds no replica ends the pass (retrying every one of them made overload quadratic).

@@ -15,6 +15,7 @@ profiles timed steps once at start-up, fits, and stores the JSON.
 from __future__ import annotations
 
 from functools import cached_property
+import os
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +171,11 @@ class StepCostModel(BaseModel):
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.model_dump_json(indent=2))
+        """Written whole or not at all: an engine starting beside the writer may load the file at once."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "StepCostModel":

@@ -130,3 +130,47 @@ def test_a_copy_with_other_fields_prices_steps_with_them():
     longer = model.model_copy(update={"intercept_ms": 70.0})
     assert longer.step_ms(4, 8, 10) == pytest.approx(model.step_ms(4, 8, 10) + 60.0)
     assert longer.prefix_curve(4, 3, None)[0] == pytest.approx(model.prefix_curve(4, 3, None)[0] + 60.0)
+
+
+def test_engines_on_one_host_profile_one_at_a_time(tmp_path, monkeypatch):
+    """The profiling lock is a real file lock, held here by another process for 1.5 s: this process waits for
+    it, its event loop going on meanwhile. Control: with another cache (another host) there is no wait."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from replicas.wcs.profiler import profiling_lock, profiling_lock_async
+
+    monkeypatch.setenv("FORESPARK_CACHE", str(tmp_path / "host"))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom replicas.wcs.profiler import profiling_lock\n"
+         "with profiling_lock():\n    print('held', flush=True)\n    time.sleep(1.5)\n"],
+        stdout=subprocess.PIPE, text=True, env={**__import__("os").environ, "FORESPARK_CACHE": str(tmp_path / "host")},
+    )
+    assert holder.stdout.readline().strip() == "held"
+
+    async def wait_for_it() -> tuple[float, int]:
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        start = time.perf_counter()
+        async with profiling_lock_async():
+            waited = time.perf_counter() - start
+        ticker.cancel()
+        return waited, ticks
+
+    monkeypatch.setenv("FORESPARK_CACHE", str(tmp_path / "other-host"))  # control: held there, not here
+    start = time.perf_counter()
+    with profiling_lock():
+        assert time.perf_counter() - start < 0.5
+    monkeypatch.setenv("FORESPARK_CACHE", str(tmp_path / "host"))
+    waited, ticks = asyncio.run(wait_for_it())
+    holder.wait(timeout=10)
+    assert waited > 0.8 and ticks >= 10, (waited, ticks)

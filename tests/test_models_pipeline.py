@@ -443,6 +443,17 @@ def test_build_interrupted_in_each_phase_resumes_to_the_same_models(tmp_path, mo
     report2 = build_mod.build(out2, tiny_spec(), resume_from=cdir / "continuations-done.compact.pt", log=quiet)
     assert abs(report2.domains["code"].perplexity - ref.domains["code"].perplexity) < 0.02 * ref.domains["code"].perplexity
 
+    # Interrupted, such a build goes on from its folder's state when run again with --resume, though its
+    # command still names the checkpoint it started from. Control: its first run started from that checkpoint.
+    compact, cdir3, said = cdir / "continuations-done.compact.pt", tmp_path / "ckpt3", []
+    with pytest.raises(build_mod.Interrupted):
+        build_mod.build(tmp_path / "o3", tiny_spec(), checkpoint_dir=cdir3, resume_from=compact, log=said.append,
+                        stop_after=lambda p, s: (p, s) == ("drafter", 2))
+    assert any("resuming at drafter (from a compact checkpoint" in m for m in said), said
+    said.clear()
+    build_mod.build(tmp_path / "o3", tiny_spec(), checkpoint_dir=cdir3, resume=True, resume_from=compact, log=said.append)
+    assert any("resuming at drafter step 2" in m for m in said), said
+
 
 def test_resume_refuses_another_spec(tmp_path, monkeypatch):
     monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)

@@ -11,7 +11,8 @@ With a checkpoint folder the build is resumable: it writes the full state
 (target -> continuations -> drafter -> evaluation), on SIGTERM/SIGINT too, plus
 a compact copy at the end of each phase (`<phase>-done.compact.pt`), and
 `progress.jsonl` (loss, learning rate, periodic held-out evaluation). `resume`
-continues from the folder's state; `resume_from` from a (compact) checkpoint file.
+continues from the folder's state (when it has one, even with `resume_from`); `resume_from` from a
+(compact) checkpoint file.
 """
 
 from __future__ import annotations
@@ -311,10 +312,12 @@ def build(
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         claim_checkpoint_dir(checkpoint_dir)
     state = None
-    if resume_from is not None:
-        state = ckpt.load(Path(resume_from))
-    elif resume and checkpoint_dir is not None and (checkpoint_dir / ckpt.STATE_FILE).is_file():
+    # `resume` with a state in the folder wins over `resume_from`: an interrupted build is continued by its
+    # own command plus --resume, and that command may name the checkpoint it first started from.
+    if resume and checkpoint_dir is not None and (checkpoint_dir / ckpt.STATE_FILE).is_file():
         state = ckpt.load(checkpoint_dir / ckpt.STATE_FILE)
+    elif resume_from is not None:
+        state = ckpt.load(Path(resume_from))
     elif resume:
         log(f"no checkpoint in {checkpoint_dir}: building from the start")
     if state is not None:

@@ -7,10 +7,17 @@ period, the time from its start to the next step's start (the whole engine
 loop: scheduling, target, sampling, drafting, output handling). A monotone
 piecewise-linear T(R, D, N) is fitted to the periods and stored beside the
 engine's config, or in a cache keyed by the engine config and the machine.
+
+One engine profiles at a time on a host (`profiling_lock`): a profile taken
+while a second replica profiled beside it came out twice as slow, and the
+router, which trusts each replica's profile, then starved that replica.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -80,6 +87,32 @@ def with_cost_model(config):
     return config.model_copy(update={"wcs": config.wcs.model_copy(update={"cost_model": path})})
 
 
+@contextlib.contextmanager
+def profiling_lock():
+    """Held while an engine profiles: the other engines on this host (same cache) wait for it."""
+    path = cache_dir() / "step_cost" / ".profiling.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.asynccontextmanager
+async def profiling_lock_async():
+    """`profiling_lock` for an event loop: the wait runs in a thread, so the replica's loop goes on."""
+    path = cache_dir() / "step_cost" / ".profiling.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        await asyncio.to_thread(fcntl.flock, f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1]
     while sizes[-1] * 2 <= max_num_seqs:
@@ -124,8 +157,6 @@ def profile(llm, max_num_seqs: int, seed: int = 0, progress: bool = True) -> Ste
 
 async def profile_async(engine, max_num_seqs: int, seed: int = 0) -> StepCostModel:
     """`profile` for a running `AsyncLLM` (what a serving replica hosts)."""
-    import asyncio
-
     from vllm import SamplingParams
 
     from replicas.models.workloads import mixed_workload
@@ -162,19 +193,30 @@ async def ensure_profiled_async(engine, config) -> StepCostModel:
     stored = (await engine.collective_rpc("wcs_cost_model"))[0]
     if stored is not None:
         return StepCostModel.model_validate_json(stored)
-    cost = await profile_async(engine, config.max_num_seqs, seed=config.seed)
-    config.wcs.cost_model.parent.mkdir(parents=True, exist_ok=True)
-    cost.save(config.wcs.cost_model)
+    path = config.wcs.cost_model
+    async with profiling_lock_async():
+        if path.exists():  # profiled by a replica of the same config while this one waited
+            cost = StepCostModel.load(path)
+            await engine.collective_rpc("wcs_set_cost_model", args=(cost.model_dump_json(),))
+            return cost
+        cost = await profile_async(engine, config.max_num_seqs, seed=config.seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cost.save(path)
     return cost
 
 
 def ensure_profiled(llm, config) -> StepCostModel:
-    """Load the stored cost model for this engine config, or profile now and store it."""
+    """Load the stored cost model for this engine config, or profile now (alone on this host) and store it."""
     path = config.wcs.cost_model
     stored = llm.collective_rpc("wcs_cost_model")[0]
     if stored is not None:
         return StepCostModel.model_validate_json(stored)
-    cost = profile(llm, config.max_num_seqs, seed=config.seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cost.save(path)
+    with profiling_lock():
+        if path.exists():  # profiled by another engine of the same config while this one waited
+            cost = StepCostModel.load(path)
+            llm.collective_rpc("wcs_set_cost_model", args=(cost.model_dump_json(),))
+            return cost
+        cost = profile(llm, config.max_num_seqs, seed=config.seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cost.save(path)
     return cost

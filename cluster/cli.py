@@ -11,6 +11,7 @@
     forespark compare                    capacity per policy / router, each on its own application, probes in turns
     forespark overload --url U           goodput and refusals at multiples of the sustainable rate
     forespark manifests check [PATH...]  validate the ray up, Serve, KubeRay manifests and the Grafana dashboard offline
+    forespark manifests fleet FLEET [--base P] [--out P]   a fleet description as a Serve config
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
     forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
@@ -343,6 +344,27 @@ def cmd_manifests_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_manifests_fleet(args: argparse.Namespace) -> int:
+    import yaml
+
+    from cluster.fleets import FleetDescription, serve_config
+    from cluster.manifests import ManifestError, check_serve
+
+    try:
+        doc = serve_config(FleetDescription.load(args.fleet), yaml.safe_load(Path(args.base).read_text()))
+        check_serve(doc)
+    except (ValueError, ManifestError) as e:  # (pydantic's ValidationError is a ValueError)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    text = f"# Serve config for the fleet {args.fleet}, from {args.base} (forespark manifests fleet)\n" + yaml.safe_dump(doc, sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from scheduling.policies import PolicyName
     from scheduling.simulate import format_outcomes, simulate
@@ -659,6 +681,12 @@ def build_parser() -> argparse.ArgumentParser:
     mcheck = manifests_sub.add_parser("check", help="validate manifests offline (default: every manifests/*.yaml and manifests/grafana/*.json); exit 1 on any problem")
     mcheck.add_argument("paths", nargs="*", help="manifest files (default: the shipped ones)")
     mcheck.set_defaults(func=cmd_manifests_check)
+    mfleet = manifests_sub.add_parser("fleet", help="a fleet description (manifests/fleets/*.yaml) as a Serve config, checked as `check` does")
+    mfleet.add_argument("fleet", help="fleet YAML")
+    mfleet.add_argument("--base", default=str(Path(__file__).resolve().parent.parent / "manifests" / "serve-gpu.yaml"),
+                        help="the Serve config whose application becomes the fleet (default manifests/serve-gpu.yaml)")
+    mfleet.add_argument("--out", metavar="PATH", help="write it here (default: stdout)")
+    mfleet.set_defaults(func=cmd_manifests_fleet)
 
     demo = sub.add_parser("demo", help="offline planner demo on synthetic acceptances (no server)")
     demo.add_argument("--batches", type=_int_list, default=(8, 64, 512), help="comma-separated batch sizes")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -56,6 +56,29 @@ class AutoscalingBounds(BaseModel):
         return self
 
 
+class EngineGroup(BaseModel):
+    """`count` replicas of the deployment that run its `engine` with these overrides: a heterogeneous fleet
+    whose replicas share their resources (some without a drafter, another batch size). A replica takes its
+    group by its Serve rank (0..N-1 in the order of the groups); Serve keeps ranks compact, so a replacement
+    takes the rank, and the group, of the replica it replaces. Replicas that differ in resources (GPU kind,
+    tensor parallelism) need a deployment each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    count: int = Field(ge=1)
+    engine: dict[str, Any] = Field(default_factory=dict, description="overrides of the replica's `engine`, merged key "
+                                   "by key (`drafter: null`: no drafter, autoregressive decoding)")
+
+
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` merged in: a dict into a dict key by key, anything else replacing."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 class ReplicaConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -73,14 +96,56 @@ class ReplicaConfig(BaseModel):
     tpot_slo_ms: float = Field(default=20.0, gt=0, description="TPOT SLO: defines the router's headroom")
     stats_period_s: float = Field(default=1.0, gt=0, description="routing stats and metrics refresh period")
     stream_batch_ms: float = Field(default=10.0, ge=0, description="SSE lines are sent to the ingress in batches this old")
+    groups: list[EngineGroup] = Field(default_factory=list, description="replicas with other engine settings, by rank "
+                                      "(EngineGroup); num_replicas becomes their total")
 
-    def replica_engine(self) -> EngineConfig:
-        """The engine config as a replica runs it: tensor parallelism over GPUs through Ray (the replica's
-        placement group)."""
-        engine = self.engine
+    @model_validator(mode="after")
+    def _groups(self) -> "ReplicaConfig":
+        if self.groups:
+            if self.autoscaling is not None:
+                raise ValueError("groups fix each replica's engine by its rank: they cannot be autoscaled")
+            names = [g.name for g in self.groups]
+            if len(set(names)) < len(names):
+                raise ValueError(f"group names repeat: {names}")
+            self.num_replicas = sum(g.count for g in self.groups)
+            for group in self.groups:
+                if group.engine.get("tensor_parallel_size", self.engine.tensor_parallel_size) != self.engine.tensor_parallel_size:
+                    raise ValueError(f"group {group.name!r}: another tensor_parallel_size needs other resources, so a deployment of its own")
+                self.group_engine(group)  # overrides checked at load, not at a replica's start
+        return self
+
+    def group_of(self, rank: int) -> EngineGroup | None:
+        """The group of the replica of this rank (None without groups; past the last, the last)."""
+        end = 0
+        for group in self.groups:
+            end += group.count
+            if rank < end:
+                return group
+        return self.groups[-1] if self.groups else None
+
+    def group_engine(self, group: EngineGroup | None) -> EngineConfig:
+        if group is None or not group.engine:
+            return self.engine
+        return EngineConfig.model_validate(merged(self.engine.model_dump(), group.engine))
+
+    def replica_engine(self, rank: int = 0) -> EngineConfig:
+        """The engine config as the replica of this rank runs it: its group's, with tensor parallelism over GPUs
+        through Ray (the replica's placement group)."""
+        engine = self.group_engine(self.group_of(rank))
         if self.accelerator == "gpu" and engine.tensor_parallel_size > 1 and engine.distributed_executor_backend is None:
             engine = engine.model_copy(update={"distributed_executor_backend": "ray"})
         return engine
+
+
+def replica_rank() -> int:
+    """This replica's rank in its deployment (0 outside a Serve replica)."""
+    from ray import serve
+
+    try:
+        rank = serve.get_replica_context().rank
+    except RuntimeError:
+        return 0
+    return int(getattr(rank, "rank", rank))
 
 
 async def batched(lines: AsyncIterator[str], window_s: float) -> AsyncIterator[list[str]]:
@@ -131,9 +196,13 @@ class EngineReplica:
 
         cpu_engine_environment()
         self.config = config
+        self.rank = replica_rank()
+        self.group = config.group_of(self.rank)
+        if self.group is not None:
+            logger.info("replica of rank %d runs group %r", self.rank, self.group.name)
         self.scheduler = LatestSchedulerStats()
         self.engine = await OpenAIEngine.start(
-            config.replica_engine(), config.served_model_name, stat_loggers=[self.scheduler.factory(), RayPrometheusStatLogger]
+            config.replica_engine(self.rank), config.served_model_name, stat_loggers=[self.scheduler.factory(), RayPrometheusStatLogger]
         )
         self._stats: RoutingStats | None = None
         self.aborted = 0

@@ -118,3 +118,74 @@ def test_manifests_check_exits_nonzero_on_a_planted_error(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1 and "1 of 2 manifests valid" in proc.stdout and "FAIL" in proc.stdout
+
+
+def test_a_fleet_file_becomes_a_serve_config_whose_replicas_take_their_group_by_rank(tmp_path):
+    from cluster.fleets import FleetDescription, serve_config
+    from cluster.manifests import check_serve
+    from cluster.sim.fleet import FleetConfig
+
+    fleet = FleetDescription.load(MANIFESTS / "fleets" / "quarter-no-drafter.yaml")
+    doc = serve_config(fleet, _load("serve-gpu.yaml"))
+    (config,) = check_serve(doc)  # Serve's schema, AppConfig, the router, the bound application
+    replica = config.replica
+    assert replica.num_replicas == 64 and replica.autoscaling is None
+    assert [replica.replica_engine(r).wcs.policy for r in (0, 47, 48, 63)] == ["wcs", "wcs", "ar", "ar"]
+    assert replica.replica_engine(48).wcs.estimator == replica.engine.wcs.estimator  # overrides merge key by key
+    # The same file in the simulator: 64 replicas, 16 of them without a drafter.
+    sim = FleetConfig(groups=fleet.groups)
+    assert sim.replicas == 64 and sum(g.count for g in sim.replica_groups() if not g.drafter) == 16
+    # Through the command, and back through `manifests check`.
+    out = tmp_path / "fleet.yaml"
+    made = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "fleet", str(MANIFESTS / "fleets" / "quarter-no-drafter.yaml"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and check_file(out) == "serve", made.stderr[-2000:]
+    # Controls: a fleet of two tensor-parallel sizes needs two deployments, refused with why; a group's
+    # unknown engine key is caught by the check.
+    mixed = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "fleet", str(MANIFESTS / "fleets" / "mixed-h100-h200.yaml")],
+                           capture_output=True, text=True, timeout=300)
+    assert mixed.returncode == 1 and "mixes tensor-parallel sizes" in mixed.stderr, mixed.stderr[-2000:]
+    doc["applications"][0]["args"]["replica"]["groups"][1]["engine"] = {"wcs": {"polcy": "ar"}}
+    with pytest.raises(ManifestError, match="polcy"):
+        check_serve(doc)
+
+
+def test_serve_gives_each_replica_a_rank_and_so_its_group():
+    """Real Serve, a small deployment resolving its group the way `EngineReplica` does (`replica_rank`). Control:
+    without groups every replica has none."""
+    import ray
+    from ray import serve
+
+    from replicas.deployment import ReplicaConfig, replica_rank
+
+    grouped = ReplicaConfig.model_validate({"groups": [{"name": "spec", "count": 2}, {"name": "ar", "count": 1, "engine": {"wcs": {"policy": "ar"}}}]})
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Which:
+        def __init__(self, config: ReplicaConfig) -> None:
+            self.rank = replica_rank()
+            group = config.group_of(self.rank)
+            self.group = None if group is None else group.name
+            self.policy = config.replica_engine(self.rank).wcs.policy
+
+        def __call__(self) -> tuple:
+            return self.rank, self.group, self.policy
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 8531})
+
+        def answers(config: ReplicaConfig, name: str) -> set:
+            handle = serve.run(Which.options(num_replicas=config.num_replicas).bind(config), name=name, route_prefix=f"/{name}")
+            seen = set()
+            for _ in range(200):
+                seen.add(handle.remote().result(timeout_s=60))
+                if len(seen) == config.num_replicas:
+                    break
+            return seen
+
+        assert answers(grouped, "grouped") == {(0, "spec", "wcs"), (1, "spec", "wcs"), (2, "ar", "ar")}
+        assert answers(ReplicaConfig(num_replicas=2), "plain") == {(0, None, "wcs"), (1, None, "wcs")}
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 from cluster.admission import AdmissionConfig, AdmissionLoop, DrainMeter, estimated_prompt_tokens
+from cluster.fleets import FleetDescription, ReplicaGroup  # noqa: F401 (FleetDescription: for the simulator's callers)
 from cluster.placement import FleetArrays
 from cluster.prompt_model import PromptModel
 from cluster.route import route
@@ -71,33 +72,6 @@ class HostModel(BaseModel):
     def speed(self, busy_engines: int, events_per_s: float) -> float:
         demand = busy_engines + events_per_s * self.event_cpu_ms / 1000.0
         return min(1.0, self.cores / max(demand, 1e-9))
-
-
-class ReplicaGroup(BaseModel):
-    """Replicas alike: a cost profile, how many, and whether they have a drafter (without one, an engine runs
-    autoregressive decoding whatever the policy)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    profile: str
-    count: int = Field(ge=1)
-    drafter: bool = True
-
-
-class FleetDescription(BaseModel):
-    """A heterogeneous fleet as a YAML file describes it (`manifests/fleets/*.yaml`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    description: str = ""
-    groups: list[ReplicaGroup] = Field(min_length=1)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "FleetDescription":
-        import yaml
-
-        return cls.model_validate(yaml.safe_load(Path(path).read_text()))
 
 
 class FleetConfig(BaseModel):

@@ -414,8 +414,9 @@ class StepController:
 
     def predicted_accept_len(self) -> float:
         """Mean predicted accepted length (1 + expected accepted drafts at full width) over the last
-        planned batch; 1 when nothing was predicted (no drafter, or an idle engine)."""
-        if not len(self._survival):
+        planned batch; 1 when nothing was predicted (no drafter, or an idle engine) or nothing is drafted (`ar`:
+        the survival left from the profiling steps is not this engine's)."""
+        if not len(self._survival) or not self.needs_drafter():
             return 1.0
         return float(1.0 + self._survival.sum(axis=1).mean())
 

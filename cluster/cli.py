@@ -11,7 +11,7 @@
     forespark compare                    capacity per policy / router, each on its own application, probes in turns
     forespark overload --url U           goodput and refusals at multiples of the sustainable rate
     forespark manifests check [PATH...]  validate the ray up, Serve, KubeRay manifests and the Grafana dashboard offline
-    forespark manifests fleet FLEET [--base P] [--out P]   a fleet description as a Serve config
+    forespark manifests fleet FLEET [--base P] [--out P] [--args-only]   a fleet description as a Serve config
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
     forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
@@ -356,7 +356,10 @@ def cmd_manifests_fleet(args: argparse.Namespace) -> int:
     except (ValueError, ManifestError) as e:  # (pydantic's ValidationError is a ValueError)
         print(f"error: {e}", file=sys.stderr)
         return 1
-    text = f"# Serve config for the fleet {args.fleet}, from {args.base} (forespark manifests fleet)\n" + yaml.safe_dump(doc, sort_keys=False)
+    what = "Serve config"
+    if args.args_only:  # the application's AppConfig: what `forespark serve --config` and `forespark compare --config` take
+        doc, what = doc["applications"][0]["args"], "application config (AppConfig)"
+    text = f"# {what} for the fleet {args.fleet}, from {args.base} (forespark manifests fleet)\n" + yaml.safe_dump(doc, sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
@@ -686,6 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
     mfleet.add_argument("--base", default=str(Path(__file__).resolve().parent.parent / "manifests" / "serve-gpu.yaml"),
                         help="the Serve config whose application becomes the fleet (default manifests/serve-gpu.yaml)")
     mfleet.add_argument("--out", metavar="PATH", help="write it here (default: stdout)")
+    mfleet.add_argument("--args-only", action="store_true", help="only the application's args (an AppConfig, for "
+                        "`forespark serve --config` and `forespark compare --config`)")
     mfleet.set_defaults(func=cmd_manifests_fleet)
 
     demo = sub.add_parser("demo", help="offline planner demo on synthetic acceptances (no server)")

@@ -145,6 +145,14 @@ def test_a_fleet_file_becomes_a_serve_config_whose_replicas_take_their_group_by_
     mixed = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "fleet", str(MANIFESTS / "fleets" / "mixed-h100-h200.yaml")],
                            capture_output=True, text=True, timeout=300)
     assert mixed.returncode == 1 and "mixes tensor-parallel sizes" in mixed.stderr, mixed.stderr[-2000:]
+    # The CPU fleet as the application config `forespark compare --config` takes: one replica drafts, one not.
+    from cluster.app import AppConfig
+    from cluster.cli import main
+
+    assert main(["manifests", "fleet", str(MANIFESTS / "fleets" / "cpu-drafter-and-not.yaml"), "--base",
+                 str(MANIFESTS / "serve-local.yaml"), "--args-only", "--out", str(tmp_path / "app.yaml")]) == 0
+    app = AppConfig.model_validate(yaml.safe_load((tmp_path / "app.yaml").read_text()))
+    assert app.replica.accelerator == "cpu" and [app.replica.replica_engine(r).wcs.policy for r in (0, 1)] == ["wcs", "ar"]
     doc["applications"][0]["args"]["replica"]["groups"][1]["engine"] = {"wcs": {"polcy": "ar"}}
     with pytest.raises(ManifestError, match="polcy"):
         check_serve(doc)

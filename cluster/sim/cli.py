@@ -47,10 +47,17 @@ def _inputs(args: argparse.Namespace, rate: float):
     admission = AdmissionConfig(ttft_ms=slo.ttft_ms or 1000.0, tpot_ms=slo.tpot_ms) if args.admission else None
     engine = EngineSpec(max_num_seqs=args.max_num_seqs, tpot_slo_ms=slo.tpot_ms or EngineSpec().tpot_slo_ms)
     groups = FleetDescription.load(args.fleet).groups if args.fleet else None
+    host = {}
+    if getattr(args, "host_from", None):  # CPU replicas sharing their host with the serving path, as a validation fitted it
+        from cluster.sim.fleet import HostModel
+        from cluster.sim.validate import ValidateResult
+
+        fit = ValidateResult.model_validate_json(Path(args.host_from).read_text()).host
+        host = {"host": HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms), "request_ms": fit.request_ms}
     fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine, groups=groups,
                         traces=Path(args.traces) if args.traces else None,
                         max_ongoing_requests=args.max_num_seqs, admission=admission, ingresses=args.ingresses,
-                        stats_period_s=args.stats_period)
+                        stats_period_s=args.stats_period, **host)
     return fleet, load, slo
 
 
@@ -260,6 +267,8 @@ def add_parser(sub) -> None:
         p.add_argument("--replicas", type=int, default=2)
         p.add_argument("--fleet", metavar="PATH", help="a heterogeneous fleet (manifests/fleets/*.yaml); replaces --replicas and --profile")
         p.add_argument("--max-num-seqs", type=int, default=64, help="each engine's batch (and Serve's max_ongoing_requests)")
+        p.add_argument("--host-from", metavar="PATH", help="CPU replicas: the host model (cores shared with the serving path, "
+                       "HTTP time per request) fitted by a `simulate validate` JSON, e.g. results/sim/validate.json")
         p.add_argument("--admission", action="store_true", help="SLO-aware admission at the ingress (cluster/admission.py)")
         p.add_argument("--ingresses", type=int, default=1, help="ingress replicas routing at once, each with its own in-flight "
                        "accounting (variant wcs-local-count: without the router's extrapolation to the others)")

@@ -256,7 +256,7 @@ def test_a_fleet_description_builds_its_groups_and_replicas_without_a_drafter_ne
     from cluster.sim.fleet import FleetDescription
 
     shipped = {p.stem: FleetDescription.load(p) for p in sorted(Path("manifests/fleets").glob("*.yaml"))}
-    assert set(shipped) == {"mixed-h100-h200", "quarter-no-drafter"}
+    assert set(shipped) == {"cpu-drafter-and-not", "mixed-h100-h200", "quarter-no-drafter"}
     assert sum(g.count for g in shipped["mixed-h100-h200"].groups) == 64
     small = FleetDescription.model_validate({"name": "t", "groups": [
         {"profile": "h100-8b-tp1", "count": 2}, {"profile": "h200-8b-tp2", "count": 1, "drafter": False}]})

@@ -89,6 +89,11 @@ class WCSConfig(BaseModel):
         description="wcs drafts in a step only when the plan's predicted tokens per ms beat drafting nothing by "
         "this share (scheduling/policies.py): near break-even, what a step model misses decides the sign",
     )
+    advantage_feedback: bool = Field(
+        default=True,
+        description="wcs's margin is at least how far drafting plans realised less, against their prediction, than "
+        "steps drafting nothing near the load (scheduling/realised_advantage.py)",
+    )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 

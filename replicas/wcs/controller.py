@@ -39,6 +39,7 @@ from scheduling.exploration import ProbeSchedule
 from scheduling.online_cost import OnlineCostModel
 from scheduling.planner import DraftPlan
 from scheduling.policies import Policy, PolicyName, StepLimits
+from scheduling.realised_advantage import DRAFT, PLAIN, RealisedAdvantage
 from scheduling.recalibration import OnlineRecalibrator, RealisedGain
 from scheduling.survival import hazards_from_survival
 from scheduling.traces import PreDraftInputs, Traces
@@ -46,7 +47,7 @@ from scheduling.traces import PreDraftInputs, Traces
 logger = logging.getLogger(__name__)
 
 # What a controller learns while it serves, kept per policy (`StepController.set_policy`).
-LEARNED = ("estimator", "calibrator", "_online", "recalibrator", "gain", "probes")
+LEARNED = ("estimator", "calibrator", "_online", "recalibrator", "gain", "probes", "advantage")
 
 # Used only until the engine's own profile is loaded (`replicas.wcs.profiler`); logged when used.
 UNPROFILED_COST = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.02, per_target_ms=0.05)
@@ -93,6 +94,7 @@ class StepController:
         self.recalibrator = OnlineRecalibrator(k) if config.recalibrate else None
         self.gain = RealisedGain(k) if config.recalibrate else None
         self.probes = ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None
+        self.advantage = RealisedAdvantage() if config.advantage_feedback else None
         self._probes_due = False  # some request is due for a probe: do not hold
         self._round_verify_ms: float | None = None  # this step is a probe round: its predicted verification
         self.set_policy(config.policy)
@@ -156,6 +158,7 @@ class StepController:
             "recalibrator": OnlineRecalibrator(k) if config.recalibrate else None,
             "gain": RealisedGain(k) if config.recalibrate else None,
             "probes": ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None,
+            "advantage": RealisedAdvantage() if config.advantage_feedback else None,
         }
 
     def forget_learning(self) -> None:
@@ -183,9 +186,12 @@ class StepController:
         """The predicted gain a `wcs` plan must show at this load: `draft_margin`, or more where drafting steps
         near this load ran longer than the served cost model predicted (`OnlineCostModel.drafting_error`). At 64
         requests on this CPU they ran 10-35% longer, against 5% of margin."""
+        margin = self.config.draft_margin
+        if self.advantage is not None:
+            margin = max(margin, self.advantage.overstatement(requests))
         if self._online is None or not self.config.online_cost:
-            return self.config.draft_margin
-        return max(self.config.draft_margin, self._online.drafting_error(requests))
+            return margin
+        return max(margin, self._online.drafting_error(requests))
 
     def switch_ms(self, rows: int) -> float:
         """What returning to drafting adds to a plan's step: storing `rows` deferred context rows, spread over the
@@ -208,6 +214,8 @@ class StepController:
     ) -> None:
         """A served step (see `OnlineCostModel.observe`). Profiling steps are not fed: the profile is fitted on
         them. Without `config.online_cost` the profile alone prices steps."""
+        if self.advantage is not None:
+            self.advantage.ran(period_ms, prefill)
         online = self._online
         if online is not None and self.profiling is None and self.config.online_cost:
             online.observe(requests, drafted, target, period_ms, prefill, context_rows, context_ms)
@@ -223,6 +231,8 @@ class StepController:
         self.stats.add_positions("verified_per_pos", verified)
         self.stats.add_positions("accepted_per_pos", accepted)
         self.stats.verify_steps += int((verified > 0).sum())
+        if self.advantage is not None:
+            self.advantage.emitted(len(req_ids) + int(np.sum(accepted)))
         if self.gain is not None and self.profiling is None and self._draft.any():
             self._observe_gain(req_ids, verified, accepted)
         if self.probes is not None and self._ever_drafts:
@@ -346,12 +356,26 @@ class StepController:
             self._hold = min(2 * self._hold, self.config.replan_max) if nothing and self._drafted_nothing else self.config.replan_every
             self._held, self._drafted_nothing = 0, nothing
         self._draft = np.asarray(draft, dtype=np.int64)
+        if self.advantage is not None:
+            self._count_advantage(len(req_ids), features is None or probes is None)
         if self.probes is not None:
             self.probes.earn(self.cost_model.step_ms(len(req_ids), 0, len(req_ids)))
         self.stats.steps += 1
         self.stats.planned_requests += len(req_ids)
         self.stats.add_positions("drafted_per_pos", self._draft)
         return self._draft
+
+    def _count_advantage(self, requests: int, counted: bool) -> None:
+        """This step for `RealisedAdvantage`: a plan that drafts, or a step drafting nothing (held or planned so);
+        not probe rounds or plans carrying probes, profiling steps, or steps no request could draft in."""
+        kind = None
+        if counted and self.profiling is None:
+            if self._draft.any():
+                if self._plan is not None and self._plan.draft.any():
+                    kind, predicted = DRAFT, self._plan.tokens_per_ms
+            elif self.needs_drafter():
+                kind, predicted = PLAIN, requests / max(self.cost_model.step_ms(requests, 0, requests), 1e-6)
+        self.advantage.planned(kind, requests, predicted if kind is not None else 0.0)
 
     @property
     def last_plan(self) -> DraftPlan | None:

@@ -15,6 +15,7 @@
     forespark models build [--check]     train the embedded target + drafter (--spec, --checkpoint-dir, --resume)
     forespark models checkpoint PATH     describe a build checkpoint (--compact FILE: the committable form)
     forespark models progress DIR        a build's held-out curve and its extrapolation to the perplexity targets
+    forespark models evaluate CHECKPOINT   a drafter-phase checkpoint evaluated mid-training
     forespark models bench [--temperature T] [--weights DIR] [--json P]
                                          drafter acceptance per domain and width through vLLM
     forespark models traces [--out P]    record acceptance traces through vLLM; score the estimators on them
@@ -464,6 +465,23 @@ def cmd_models_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_evaluate(args: argparse.Namespace) -> int:
+    from replicas.models import checkpoint as ckpt
+    from replicas.models.build import evaluate_checkpoint
+
+    path = Path(args.path)
+    where, quality = evaluate_checkpoint(path / ckpt.STATE_FILE if path.is_dir() else path)
+    print(f"{path}: {where}")
+    for domain, q in quality.items():
+        print(f"  {domain}: perplexity {q.perplexity:.2f}; offline survival of positions 1-4 greedy "
+              + " ".join(f"{a:.2f}" for a in q.offline_acceptance[:4]) + f" (accepted length {q.mean_accepted_length:.2f}), T=1 "
+              + " ".join(f"{a:.2f}" for a in q.offline_acceptance_t1[:4]) + f" ({1.0 + sum(q.offline_acceptance_t1):.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"checkpoint": str(path), "at": where,
+                                               "domains": {d: q.model_dump() for d, q in quality.items()}}, indent=2) + "\n")
+    return 0
+
+
 def cmd_models_progress(args: argparse.Namespace) -> int:
     from replicas.models.progress import format_progress
     from replicas.models.spec import load_spec
@@ -774,6 +792,11 @@ def build_parser() -> argparse.ArgumentParser:
     mckpt.add_argument("path", help="a checkpoint file, or a checkpoint folder (its state.pt)")
     mckpt.add_argument("--compact", metavar="FILE", help="write the compact form here (<= 40 MiB for the next spec)")
     mckpt.set_defaults(func=cmd_models_checkpoint)
+    meval = models_sub.add_parser("evaluate", help="a drafter-phase build checkpoint's models evaluated mid-training, as a "
+                                  "build's last phase evaluates them (a few minutes)")
+    meval.add_argument("path", help="a build's checkpoint folder (its state.pt) or a checkpoint file in it")
+    meval.add_argument("--json", metavar="PATH")
+    meval.set_defaults(func=cmd_models_evaluate)
     mprog = models_sub.add_parser("progress", help="a build's held-out curve and when it would reach the perplexity targets")
     mprog.add_argument("path", help="a checkpoint folder (its progress.jsonl) or a progress.jsonl")
     mprog.add_argument("--spec", default=None, help="the build's spec, to compare with its step count")

@@ -450,6 +450,11 @@ def test_build_interrupted_in_each_phase_resumes_to_the_same_models(tmp_path, mo
         build_mod.build(tmp_path / "o3", tiny_spec(), checkpoint_dir=cdir3, resume_from=compact, log=said.append,
                         stop_after=lambda p, s: (p, s) == ("drafter", 2))
     assert any("resuming at drafter (from a compact checkpoint" in m for m in said), said
+    # Mid-training, the interrupted build's models are evaluated as its last phase would (`models evaluate`).
+    where, quality = build_mod.evaluate_checkpoint(cdir3 / ckpt.STATE_FILE)
+    assert where == "drafter step 2" and len(quality["code"].offline_acceptance) == tiny_spec().drafter.block
+    with pytest.raises(ValueError, match="only a drafter-phase checkpoint"):  # control: no drafter yet
+        build_mod.evaluate_checkpoint(cdir / "target-done.compact.pt")
     said.clear()
     build_mod.build(tmp_path / "o3", tiny_spec(), checkpoint_dir=cdir3, resume=True, resume_from=compact, log=said.append)
     assert any("resuming at drafter step 2" in m for m in said), said

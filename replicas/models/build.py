@@ -570,6 +570,34 @@ def evaluate_models(
 
 
 
+def evaluate_checkpoint(path: Path) -> tuple[str, dict[str, DomainQuality]]:
+    """A drafter-phase checkpoint (a build folder's state, or a compact file) evaluated as the build's last phase
+    evaluates its models: where it stands and the quality per domain, mid-training. The encoded corpus is the
+    build folder's own (`streams.npz` beside the state), so a compact file must sit in its build folder."""
+    from tokenizers import Tokenizer
+
+    state = ckpt.load(path)
+    if state["phase"] != "drafter" or "drafter" not in state:
+        raise ValueError(f"{path} is at phase {state['phase']!r}: only a drafter-phase checkpoint has both models")
+    cache = path.parent / "streams.npz"
+    if not cache.is_file():
+        raise FileNotFoundError(f"no encoded corpus at {cache} (the build folder's streams.npz)")
+    with np.load(cache) as f:
+        key = str(f["key"])
+    spec = BuildSpec.model_validate(state["spec"])
+    tok = Tokenizer.from_str(state["tokenizer"])
+    eos_id, mask_id = tok.token_to_id(EOS), tok.token_to_id(MASK)
+    streams = TokenStreams.load(cache, key)
+    target = new_target(spec.target, eos_id, spec.train.seed)
+    target.load_state_dict(state["target"]["weights"])
+    target.eval()
+    drafter = DFlashDrafter(spec.drafter, spec.target.hidden_size)
+    part = state["drafter"]
+    drafter.load_state_dict(part["model"] if "model" in part else part["weights"])
+    drafter.eval()
+    return f"drafter step {part.get('step', spec.train.drafter_steps)}", evaluate_models(target, drafter, streams, spec, mask_id)
+
+
 def compare_reports(reference: BuildReport, rebuilt: BuildReport, tolerance: float = 0.15) -> list[str]:
     """Where a rebuild's quality departs from the reference by more than `tolerance` (relative)."""
     problems = []

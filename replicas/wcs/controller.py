@@ -184,8 +184,9 @@ class StepController:
 
     def margin(self, requests: int) -> float:
         """The predicted gain a `wcs` plan must show at this load: `draft_margin`, or more where drafting steps
-        near this load ran longer than the served cost model predicted (`OnlineCostModel.drafting_error`). At 64
-        requests on this CPU they ran 10-35% longer, against 5% of margin."""
+        near this load ran longer than the served cost model predicted (`OnlineCostModel.drafting_error`; at 64
+        requests on this CPU they ran 10-35% longer, against 5% of margin), or where drafting plans realised less
+        against their prediction than steps drafting nothing (`RealisedAdvantage.overstatement`)."""
         margin = self.config.draft_margin
         if self.advantage is not None:
             margin = max(margin, self.advantage.overstatement(requests))

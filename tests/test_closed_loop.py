@@ -237,10 +237,10 @@ def test_drafting_that_realises_less_than_it_was_promised_stops_where_it_loses()
     control: without the feedback it drafts at a loss. And where drafts are accepted as believed, the feedback
     leaves drafting on."""
     plain, _ = realised_rate(WCSConfig(policy="ar"), accept=0.25)
-    fed, fed_share = realised_rate(WCSConfig(), accept=0.25)
+    fed, fed_share = realised_rate(WCSConfig(advantage_feedback=True), accept=0.25)
     blind, blind_share = realised_rate(WCSConfig(advantage_feedback=False), accept=0.25)
     assert blind < 0.8 * plain and blind_share > 0.9, (blind, plain, blind_share)
     assert fed >= 0.95 * plain and fed_share < 0.2, (fed, plain, fed_share)
-    paying, paying_share = realised_rate(WCSConfig(), accept=0.8)
+    paying, paying_share = realised_rate(WCSConfig(advantage_feedback=True), accept=0.8)
     paying_blind, _ = realised_rate(WCSConfig(advantage_feedback=False), accept=0.8)
     assert paying >= 0.98 * paying_blind and paying > 1.2 * plain and paying_share > 0.9, (paying, paying_blind, plain)

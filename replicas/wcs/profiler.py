@@ -87,12 +87,16 @@ def with_cost_model(config):
     return config.model_copy(update={"wcs": config.wcs.model_copy(update={"cost_model": path})})
 
 
+def _lock_path() -> Path:
+    path = cache_dir() / "step_cost" / ".profiling.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @contextlib.contextmanager
 def profiling_lock():
     """Held while an engine profiles: the other engines on this host (same cache) wait for it."""
-    path = cache_dir() / "step_cost" / ".profiling.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    with open(_lock_path(), "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -103,9 +107,7 @@ def profiling_lock():
 @contextlib.asynccontextmanager
 async def profiling_lock_async():
     """`profiling_lock` for an event loop: the wait runs in a thread, so the replica's loop goes on."""
-    path = cache_dir() / "step_cost" / ".profiling.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    with open(_lock_path(), "a") as f:
         await asyncio.to_thread(fcntl.flock, f.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -80,7 +80,10 @@ def placement_forecast(fleet: FleetArrays, added: np.ndarray, tokens_if_room: np
     n_new = np.maximum(added, -f.running) + 1.0
     queued = np.maximum(0.0, f.load + n_new - f.max_num_seqs)
     base_after = f.base_step_ms + n_new * f.base_request_ms
-    demand = f.spec_ms + n_new * f.spec_request_ms
+    # Speculation's demand at the new batch; never negative: forecast below the running batch (fewer requests, as the
+    # autoscaler's supply search and a replica whose requests finished since its stats ask), a measured speculation
+    # share smaller than the per-request slope times the requests removed would otherwise make the step negative.
+    demand = np.maximum(f.spec_ms + n_new * f.spec_request_ms, 0.0)
     kept = np.clip((f.cap_ms - base_after) / np.maximum(demand, 1e-9), 0.0, 1.0)
     step_after = base_after + kept * demand
     gain = np.maximum(np.asarray(tokens_if_room, dtype=np.float64) - 1.0, 0.0)

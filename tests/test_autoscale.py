@@ -43,6 +43,23 @@ def test_load_is_decode_work_so_a_fleet_is_full_before_its_batches_are():
     assert loads[-1] > 0.85 and replica_capacity(FleetArrays([stats(48)]), config.tpot_share)[0] > 2 * 48
 
 
+def test_a_replica_forecast_below_its_batch_keeps_a_positive_step_so_its_load_counts():
+    """Stats a simulated replica reported at 48 requests, its measured step a third speculation: the supply search
+    forecasts it at fewer requests than it runs, where the speculation's per-request slope once took the step below
+    zero, the supply to millions of tokens per ms and the utilisation to 0 (the fleet then never scaled up)."""
+    from replicas.routing_stats import RoutingStats
+
+    loaded = RoutingStats(timestamp=1.0, running=48, waiting=1, kv_usage=0.005, max_num_seqs=256, cap_ms=20.0, step_ms=15.91,
+                          headroom_tokens=135.0, request_ms=0.485, base_step_ms=10.92, base_request_ms=0.057, token_ms=0.03,
+                          tokens_per_step=3.15, verified_per_step=4.57, mix_measured=True, predicted_accept_len=4.3, realised_tpot_ms=4.0)
+    fleet = FleetArrays([loaded])
+    tokens = expected_tokens_per_step(fleet, 1.0)
+    for added in range(-48, 1):
+        assert placement_forecast(fleet, np.array([float(added)]), tokens).step_after[0] >= 0.5 * loaded.base_step_ms
+    assert utilisation([loaded], HeadroomScaling()) > 0.3
+    assert utilisation([loaded.model_copy(update={"running": 2, "waiting": 0})], HeadroomScaling()) < 0.1  # control: light load
+
+
 def test_policy_scales_up_past_the_band_down_under_it_and_holds_inside():
     config = HeadroomScaling()
 

@@ -92,8 +92,8 @@ class WCSConfig(BaseModel):
     advantage_feedback: bool = Field(
         default=False,
         description="wcs's margin is at least how far drafting plans realised less, against their prediction, than "
-        "steps drafting nothing near the load (scheduling/realised_advantage.py); off by default: the engine bench "
-        "did not move with it, and it overrules the cost models tests set to make drafting pay",
+        "steps drafting nothing near the load (scheduling/realised_advantage.py; docs/design/closed-loop-wcs.md says "
+        "why it is off by default)",
     )
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0

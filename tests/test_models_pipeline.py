@@ -19,6 +19,7 @@ from replicas.models.distill import (
     continuation_batches,
     continuation_plan,
     distill_loss,
+    drafter_lr_factor,
     target_continuations,
 )
 from replicas.models.dflash import DFlashDrafter
@@ -458,6 +459,47 @@ def test_build_interrupted_in_each_phase_resumes_to_the_same_models(tmp_path, mo
     said.clear()
     build_mod.build(tmp_path / "o3", tiny_spec(), checkpoint_dir=cdir3, resume=True, resume_from=compact, log=said.append)
     assert any("resuming at drafter step 2" in m for m in said), said
+
+
+def test_a_finished_drafter_trains_on_through_a_warm_restart(tmp_path, monkeypatch):
+    """A finished build's drafter continues under a longer spec that restarts its schedule where the finished run
+    ended, and lands where that longer spec lands when built from the start."""
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    quiet = lambda _msg: None  # noqa: E731
+
+    def with_drafter(steps: int, restarts: list[int]) -> BuildSpec:
+        spec = tiny_spec()
+        spec.train = spec.train.model_copy(update={"drafter_steps": steps, "drafter_restarts": restarts})
+        return BuildSpec.model_validate(spec.model_dump())  # validated
+
+    cdir = tmp_path / "ckpt"
+    build_mod.build(tmp_path / "short", with_drafter(5, []), checkpoint_dir=cdir, log=quiet)
+    with pytest.raises(ValueError, match="except a longer run"):  # no restart at the old end: refused
+        build_mod.check_resumable(ckpt.load(cdir / ckpt.STATE_FILE), with_drafter(9, []))
+    said: list[str] = []
+    build_mod.build(tmp_path / "continued", with_drafter(9, [5]), checkpoint_dir=cdir, resume=True, log=said.append)
+    assert any("resuming at drafter step 5" in m for m in said), said
+    build_mod.build(tmp_path / "fresh", with_drafter(9, [5]), log=quiet)
+    build_mod.build(tmp_path / "one-cycle", with_drafter(9, []), log=quiet)
+
+    weights = lambda name: (tmp_path / name / "drafter" / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights("continued") == weights("fresh")
+    assert weights("continued") != weights("short")  # control: it did train on
+    assert weights("fresh") != weights("one-cycle")  # control: the restart changes the schedule
+    assert (tmp_path / "continued" / "target" / "model.safetensors").read_bytes() == \
+        (tmp_path / "short" / "target" / "model.safetensors").read_bytes()
+
+
+def test_drafter_restarts_restart_the_schedule_inside_the_run():
+    train = TrainSpec(drafter_steps=100, drafter_restarts=[40])
+    f = drafter_lr_factor(train)
+    cycle = lambda n: drafter_lr_factor(TrainSpec(drafter_steps=n))  # noqa: E731
+    assert [f(s) for s in range(40)] == [cycle(40)(s) for s in range(40)]
+    assert [f(s) for s in range(40, 100)] == [cycle(60)(s) for s in range(60)]
+    assert f(39) < 0.15 < f(45) and f(30) != cycle(100)(30)  # control: one cycle of 100 decays otherwise
+    for bad in ([0], [100], [50, 40], [40, 40]):
+        with pytest.raises(ValueError, match="drafter_restarts"):
+            TrainSpec(drafter_steps=100, drafter_restarts=bad)
 
 
 def test_resume_refuses_another_spec(tmp_path, monkeypatch):

@@ -44,7 +44,7 @@ from replicas.models.distill import (
     offline_acceptance_sampled,
     target_continuations,
 )
-from replicas.models.spec import BuildSpec
+from replicas.models.spec import BuildSpec, TrainSpec
 from replicas.models.target import TargetTrainer, decay_start, held_out_perplexity, new_target
 from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, tokenizer_training_texts, train_tokenizer
 
@@ -149,11 +149,20 @@ def _drafter_phase_setting(name: str) -> bool:
     return name.startswith(("drafter.", "train.drafter_")) or name == "train.kl_weight"
 
 
+def _drafter_extended(saved: TrainSpec, new: TrainSpec, changed: list[str]) -> bool:
+    """The new drafter schedule continues the saved one: every step the saved run could have taken has the same
+    learning rate and data under both (the saved end becomes a warm restart)."""
+    return (set(changed) <= {"train.drafter_steps", "train.drafter_restarts"}
+            and new.drafter_steps > saved.drafter_steps and saved.drafter_steps in new.drafter_restarts
+            and new.drafter_restarts[:len(saved.drafter_restarts)] == saved.drafter_restarts)
+
+
 def check_resumable(state: dict, spec: BuildSpec) -> None:
     """A checkpoint continues under the spec that wrote it. Two kinds of change are allowed: more (or fewer)
     `train.target_steps` for a `wsd` schedule with explicit `warmup_steps` while the run is still in the
-    constant part under both step counts, and any drafter-phase setting (`drafter.*`, `train.drafter_*`,
-    `train.kl_weight`) before the drafter phase has started."""
+    constant part under both step counts, any drafter-phase setting (`drafter.*`, `train.drafter_*`,
+    `train.kl_weight`) before the drafter phase has started, and after it a longer drafter run that restarts
+    its schedule where the saved one ends (`_drafter_extended`)."""
     saved = BuildSpec.model_validate(state["spec"])
     diffs = {d.split(":")[0]: d for d in _spec_differences(saved, spec)}
     # bfloat16 autocast is a speed setting (emulated, ~10x slower, on a CPU without AVX512-BF16): any resume may change it.
@@ -164,8 +173,9 @@ def check_resumable(state: dict, spec: BuildSpec) -> None:
     phase = state["phase"]
     drafter_started = phase == "evaluation" or (phase == "drafter" and "drafter" in state)
     changed = [k for k in diffs if _drafter_phase_setting(k)]
-    if changed and drafter_started:
-        raise ValueError(f"drafter-phase settings ({', '.join(changed)}) can change only before the drafter phase")
+    if changed and drafter_started and not _drafter_extended(saved.train, spec.train, changed):
+        raise ValueError(f"drafter-phase settings ({', '.join(changed)}) can change only before the drafter phase, "
+                         "except a longer run whose restarts add the saved run's last step")
     if saved.train.target_steps != spec.train.target_steps:
         if phase != "target":
             raise ValueError("train.target_steps can change only while the target trains")
@@ -322,6 +332,10 @@ def build(
         log(f"no checkpoint in {checkpoint_dir}: building from the start")
     if state is not None:
         check_resumable(state, spec)
+        if state["phase"] == "evaluation":
+            done_at = int(state["drafter"].get("step", BuildSpec.model_validate(state["spec"]).train.drafter_steps))
+            if done_at < spec.train.drafter_steps:  # a longer drafter run: back to its training (`_drafter_extended`)
+                state = {**state, "phase": "drafter", "drafter": {**state["drafter"], "finished": True, "step": done_at}}
         where = state["phase"] + (f" step {state['target']['step']}" if state["phase"] == "target" else "")
         where += f" step {state['drafter']['step']}" if state["phase"] == "drafter" and "drafter" in state else ""
         log(f"resuming at {where}" + (" (from a compact checkpoint: AdamW first moments re-warm)" if state.get("resumed_from_compact") else ""))
@@ -494,7 +508,11 @@ def build(
         if phase == "drafter":
             trainer = DrafterTrainer(drafter, target, sequences, spec.drafter, spec.train, mask_id, streams)
             if state is not None and state["phase"] == "drafter" and "drafter" in state:
-                trainer.load_state_dict(state["drafter"])
+                part = state["drafter"]
+                if part.get("finished"):
+                    trainer.continue_finished(part["weights"], part["step"], part["losses"])
+                else:
+                    trainer.load_state_dict(part)
                 torch.set_rng_state(state["torch_rng"])
             with tqdm(total=spec.train.drafter_steps, initial=trainer.step, desc="drafter", unit="step", smoothing=0.02) as bar:
                 while not trainer.done:
@@ -514,7 +532,7 @@ def build(
             drafter_losses = trainer.losses
             phase = "evaluation"
             save(phase, stage_done="drafter", target=target_part, continuations=continuations_part,
-                 drafter={"weights": drafter.state_dict(), "losses": drafter_losses})
+                 drafter={"weights": drafter.state_dict(), "losses": drafter_losses, "step": trainer.step})
         else:
             drafter.load_state_dict(state["drafter"]["weights"])
             drafter.eval()

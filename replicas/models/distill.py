@@ -97,8 +97,21 @@ def target_continuations(
     return torch.cat([done[b] for b in sorted(done)]), torch.from_numpy(sampled)
 
 
+def drafter_cycle(train: TrainSpec, step: int) -> tuple[int, int, int]:
+    """(index, first step, end) of the schedule cycle holding `step`; one cycle unless `drafter_restarts`."""
+    bounds = [0, *train.drafter_restarts, train.drafter_steps]
+    i = max(k for k in range(len(bounds) - 1) if bounds[k] <= step) if step < train.drafter_steps else len(bounds) - 2
+    return i, bounds[i], bounds[i + 1]
+
+
 def drafter_lr_factor(train: TrainSpec) -> Callable[[int], float]:
-    return lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / train.drafter_steps)))
+    """A 20-step warm-up, then a cosine to 0.1, within each cycle (see `drafter_cycle`)."""
+    def factor(s: int) -> float:
+        _, first, end = drafter_cycle(train, s)
+        local = s - first
+        return min(1.0, (local + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * local / (end - first))))
+
+    return factor
 
 
 class DrafterTrainer:
@@ -141,8 +154,16 @@ class DrafterTrainer:
         text_anchors = self.rng.integers(lo, self.hi + 1, (n_text, train.drafter_anchors))
         return torch.cat([self.sequences[rows], text]), torch.from_numpy(np.concatenate([anchors, text_anchors]))
 
+    def restart(self) -> None:
+        """A warm restart: AdamW's moments and the data order start afresh (a continued run matches a fresh one)."""
+        self.opt.opt.state.clear()
+        cycle, _, _ = drafter_cycle(self.train, self.step)
+        self.rng = np.random.default_rng([self.train.seed + 2, cycle])
+
     def run_step(self) -> float:
         spec, train = self.spec, self.train
+        if self.step in train.drafter_restarts:
+            self.restart()
         seqs, anchors = self.batch()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
             with torch.no_grad():
@@ -164,6 +185,18 @@ class DrafterTrainer:
             "optimizer": self.opt.opt.state_dict(),
             "scheduler": self.opt.sched.state_dict(),
         }
+
+    def continue_finished(self, weights: dict, step: int, losses: list[float]) -> None:
+        """Train on a finished drafter (its weights only) from `step`, a restart of this trainer's schedule."""
+        if step not in self.train.drafter_restarts:
+            raise ValueError(f"a finished drafter continues only from a restart (train.drafter_restarts holds no {step})")
+        self.drafter.load_state_dict(weights)
+        self.step, self.losses = step, list(losses)
+        sched = self.opt.sched
+        sched.last_epoch = step
+        sched._last_lr = [base * sched.lr_lambdas[0](step) for base in sched.base_lrs]
+        for group, lr in zip(self.opt.opt.param_groups, sched._last_lr):
+            group["lr"] = lr
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state["model"])

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 SPECS_DIR = Path(__file__).parent / "specs"
 
@@ -107,6 +107,18 @@ class TrainSpec(BaseModel):
         "(far more distinct text than the continuations; pair it with drafter_labels target_argmax)"
     )
     drafter_corpus_min_context: int = Field(default=8, ge=1, description="blocks in training text start after this many tokens")
+    drafter_restarts: list[int] = Field(
+        default_factory=list, description="drafter steps at which its cosine schedule restarts with fresh AdamW moments and "
+        "a fresh data order (warm restarts): a finished drafter trains on by adding its last step here and raising "
+        "drafter_steps"
+    )
+
+    @model_validator(mode="after")
+    def _restarts_inside_the_run(self) -> "TrainSpec":
+        r = self.drafter_restarts
+        if r != sorted(set(r)) or any(not 0 < x < self.drafter_steps for x in r):
+            raise ValueError("train.drafter_restarts must be increasing steps strictly between 0 and drafter_steps")
+        return self
 
 
 class BuildSpec(BaseModel):

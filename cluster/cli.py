@@ -168,6 +168,15 @@ def _positive_floats(text: str) -> tuple[float, ...]:
     return values
 
 
+def _long_prompts(text: str):
+    from loadtest.config import LongPrompts
+
+    try:
+        return LongPrompts.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
+
 def _load_config(args: argparse.Namespace, url: str, rate: float):
     from loadtest.config import LoadTestConfig, Shape
 
@@ -176,7 +185,7 @@ def _load_config(args: argparse.Namespace, url: str, rate: float):
     return LoadTestConfig(
         url=url.rstrip("/"), model=args.model, api_key=args.api_key, rate=rate, duration_s=args.duration,
         drain_s=args.drain, arrivals=args.arrivals, shape=shape, domains=args.domains, max_tokens=args.max_tokens,
-        processes=args.processes, seed=args.seed, out_dir=Path(args.out),
+        processes=args.processes, seed=args.seed, out_dir=Path(args.out), long_prompts=args.long_prompts,
     )
 
 
@@ -316,6 +325,9 @@ def _add_load_options(p: argparse.ArgumentParser, out: str, duration: float) -> 
     p.add_argument("--api-key", default=None)
     p.add_argument("--domains", type=_domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
+    p.add_argument("--long-prompts", type=_long_prompts, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
+                   help="skewed prompt lengths: SHARE of requests carry a context of lognormal length (MEDIAN tokens, "
+                   "SIGMA the spread of its log, default 1), e.g. 0.1:2000")
     p.add_argument("--arrivals", choices=("poisson", "closed"), default="poisson", help="open-loop Poisson (default) or closed-loop users")
     p.add_argument("--shape", choices=("constant", "step", "burst"), default="constant")
     p.add_argument("--step-s", type=float, default=10.0, help="step shape: seconds per step")

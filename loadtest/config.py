@@ -59,6 +59,34 @@ class Shape(BaseModel):
         return base
 
 
+class LongPrompts(BaseModel):
+    """Skewed prompt lengths: a share of requests carry a long context (a document, files, a chat history) before
+    their prompt, its length in tokens lognormal (most a little under the median, a few many times it), so that
+    prefill cost differs by orders of magnitude between requests as it does in production traffic."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    share: float = Field(ge=0, le=1, description="share of requests with a long context")
+    median_tokens: int = Field(ge=1, description="median context length in tokens")
+    sigma: float = Field(default=1.0, ge=0, description="spread of the context length (standard deviation of its log)")
+    max_tokens: int = Field(default=16000, ge=1, description="no context is longer than this")
+    chars_per_token: float = Field(default=3.5, gt=0, description="characters of text per token of context")
+
+    @classmethod
+    def parse(cls, text: str) -> "LongPrompts":
+        """`SHARE:MEDIAN_TOKENS[:SIGMA]`, e.g. `0.1:2000:1.0` (the command-line form)."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 3:
+            raise ValueError(f"expected SHARE:MEDIAN_TOKENS[:SIGMA], e.g. 0.1:2000:1.0, got {text!r}")
+        return cls(share=float(parts[0]), median_tokens=int(parts[1]), **({"sigma": float(parts[2])} if len(parts) == 3 else {}))
+
+    def tokens(self, rng) -> int:
+        """A context length for one request (0: none); `rng` is a `random.Random`."""
+        if self.share <= 0 or rng.random() >= self.share:
+            return 0
+        return max(1, min(self.max_tokens, round(rng.lognormvariate(math.log(self.median_tokens), self.sigma))))
+
+
 class LoadTestConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -76,6 +104,8 @@ class LoadTestConfig(BaseModel):
     users: int = Field(default=0, ge=0, description="Poisson sources the rate is split over (0: 8 per process); closed: concurrent users")
     domains: dict[str, float] = Field(default_factory=lambda: {"code": 1.0, "prose": 1.0}, description="workload mix weights")
     max_tokens: int | None = Field(default=None, ge=1, description="output tokens per request (default: each domain's setting)")
+    long_prompts: LongPrompts | None = Field(default=None, description="a share of requests with a long context (None: the "
+                                             "shipped prompts as they are)")
     ignore_eos: bool = Field(default=True, description="every request produces exactly max_tokens (comparable runs)")
     temperature: float = Field(default=0.0, ge=0)
     seed: int = Field(default=0, description="arrival times and prompts: the same seed and settings give the same load")

@@ -23,6 +23,22 @@ def shipped_prompts() -> dict[str, list[dict]]:
     return out
 
 
+def with_context(prompt: str, same_domain: list[dict], tokens: int, chars_per_token: float, rng: random.Random) -> str:
+    """`prompt` after a context of about `tokens` tokens: the domain's other shipped prompts, in a random
+    rotation, cut to length (text of the request's own kind, so its predicted acceptance stays its domain's)."""
+    if tokens <= 0:
+        return prompt
+    want = int(tokens * chars_per_token)
+    start = rng.randrange(len(same_domain))
+    parts, size, k = [], 0, start
+    while size < want:
+        text = same_domain[k % len(same_domain)]["prompt"]
+        parts.append(text)
+        size += len(text) + 2
+        k += 1
+    return "\n\n".join(parts)[:want] + "\n\n" + prompt
+
+
 class Workload:
     """Draws request bodies for `/v1/completions` by the config's domain weights."""
 
@@ -41,9 +57,13 @@ class Workload:
         domain = self.rng.choices(self.domains, self.weights)[0]
         item = self.rng.choice(self.prompts[domain])
         c = self.config
+        prompt = item["prompt"]
+        if c.long_prompts is not None:
+            lp = c.long_prompts
+            prompt = with_context(prompt, self.prompts[domain], lp.tokens(self.rng), lp.chars_per_token, self.rng)
         body = {
             "model": c.model,
-            "prompt": item["prompt"],
+            "prompt": prompt,
             "max_tokens": c.max_tokens or item["max_tokens"],
             "temperature": c.temperature,
             "ignore_eos": c.ignore_eos,

@@ -481,3 +481,36 @@ def test_variant_app_configs_set_policy_pricing_router_slo_step_cap_and_pace():
     assert configs["wcs-pace"].replica.engine.wcs.pace_tpot_ms == 20.0  # four fifths of the SLO
     assert all(c.replica.engine.wcs.pace_tpot_ms is None for name, c in configs.items() if name != "wcs-pace")
     assert base["replica"]["engine"]["wcs"] == {"replan_every": 4}  # the base is not modified
+
+
+def test_long_prompts_give_a_share_of_requests_a_lognormal_context_and_leave_the_others_alone():
+    import math
+    import random
+
+    from loadtest.config import LongPrompts
+    from loadtest.workload import Workload
+
+    lp = LongPrompts.parse("0.2:400:0.5")
+    assert (lp.share, lp.median_tokens, lp.sigma) == (0.2, 400, 0.5)
+    for bad in ("0.2", "a:400", "0.2:400:1:2", "2:400"):
+        with pytest.raises(ValueError):
+            LongPrompts.parse(bad)
+
+    def bodies(long_prompts, n=2000, seed=3):
+        config = LoadTestConfig(url="http://x", rate=1.0, duration_s=1.0, seed=seed, long_prompts=long_prompts)
+        workload = Workload(config, random.Random(seed))
+        return [workload.next() for _ in range(n)]
+
+    plain = bodies(None)
+    assert plain == bodies(LongPrompts(share=0.0, median_tokens=400))  # share 0: the same load, draw for draw
+    shipped = {b["prompt"] for _, b in plain}
+    longer = [(d, b["prompt"]) for d, b in bodies(lp)]
+    extended = [(d, p) for d, p in longer if p not in shipped]
+    assert 0.17 < len(extended) / len(longer) < 0.23
+    # Each context ends in a shipped prompt of the same domain, and its length in tokens is lognormal around the median.
+    by_domain = {}
+    for d, b in plain:
+        by_domain.setdefault(d, set()).add(b["prompt"])
+    assert all(any(p.endswith("\n\n" + q) for q in by_domain[d]) for d, p in extended[:50])
+    logs = np.log([len(p) / lp.chars_per_token for _, p in extended])
+    assert abs(np.median(logs) - math.log(400)) < 0.15 and 0.35 < np.std(logs) < 0.65

@@ -311,3 +311,16 @@ def test_the_simulated_autoscaler_scales_up_for_a_burst_and_back_down_with_serve
     # Control: Serve's default policy with a target no burst reaches never scales.
     idle = run_with(policy="ongoing_requests", target_ongoing_requests=10_000.0)
     assert [s for _, s, _ in idle.timeline] == [1]
+
+
+def test_long_prompts_reach_the_simulated_engines_as_prefill():
+    from loadtest.config import LongPrompts
+
+    config = FleetConfig(replicas=2)
+    load = dict(rate=20.0, duration_s=4.0, max_tokens=32, seed=0)
+    plain = Fleet(config, seed=0).run(LoadConfig(**load))
+    skewed = Fleet(config, seed=0).run(LoadConfig(**load, long_prompts=LongPrompts(share=0.3, median_tokens=3000)))
+    prompt = lambda rows: np.array([r.prompt_tokens for r in rows])  # noqa: E731
+    assert prompt(plain).max() < 1000 < np.quantile(prompt(skewed), 0.9)
+    ttft = lambda rows: np.quantile([r.ttft_ms for r in rows], 0.9)  # noqa: E731
+    assert ttft(skewed) > 1.2 * ttft(plain)  # their prefill takes engine time (control: the plain run)

@@ -43,7 +43,7 @@ def _inputs(args: argparse.Namespace, rate: float):
     shape = Shape(kind=args.shape, step_s=args.step_s, step_rate=args.step_rate, burst_at_s=args.burst_at_s,
                   burst_s=args.burst_s, burst_rate=args.burst_rate)
     load = LoadConfig(rate=rate, duration_s=args.duration, drain_s=args.drain, shape=shape, domains=args.domains,
-                      max_tokens=args.max_tokens, seed=args.seed)
+                      max_tokens=args.max_tokens, seed=args.seed, long_prompts=args.long_prompts)
     admission = AdmissionConfig(ttft_ms=slo.ttft_ms or 1000.0, tpot_ms=slo.tpot_ms) if args.admission else None
     engine = EngineSpec(max_num_seqs=args.max_num_seqs, tpot_slo_ms=slo.tpot_ms or EngineSpec().tpot_slo_ms)
     groups = FleetDescription.load(args.fleet).groups if args.fleet else None
@@ -259,6 +259,14 @@ def add_parser(sub) -> None:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected e.g. code=1,prose=1, got {text!r}") from None
 
+    def long_prompts(text: str):
+        from loadtest.config import LongPrompts
+
+        try:
+            return LongPrompts.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
     def common(p: argparse.ArgumentParser, duration: float) -> None:
         p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"cost profile (default {DEFAULT_PROFILE}; see `simulate profiles`)")
         p.add_argument("--acceptance", default="dflash-qwen3-8b", choices=sorted(ACCEPTANCE_MODELS), help="acceptance model")
@@ -281,6 +289,8 @@ def add_parser(sub) -> None:
         p.add_argument("--target", type=float, help="SLO attainment target (0-1)")
         p.add_argument("--domains", type=domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
         p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
+        p.add_argument("--long-prompts", type=long_prompts, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
+                       help="skewed prompt lengths, as `forespark loadtest --long-prompts`, e.g. 0.1:2000")
         p.add_argument("--shape", choices=("constant", "step", "burst"), default="constant")
         p.add_argument("--step-s", type=float, default=10.0)
         p.add_argument("--step-rate", type=float, default=1.0)

@@ -43,9 +43,9 @@ from cluster.sim.autoscaler import SimAutoscaler, SimAutoscaling
 from cluster.sim.engine import EngineSpec, SimEngine, SimRequest
 from cluster.sim.profiles import DEFAULT_PROFILE, load_profile
 from cluster.sim.replay import TraceReplay
-from loadtest.config import Shape
+from loadtest.config import LongPrompts, Shape
 from loadtest.report import RequestRow
-from loadtest.workload import shipped_prompts
+from loadtest.workload import shipped_prompts, with_context
 from replicas.wcs.config import WCSConfig
 from replicas.wcs.controller import StepController, fit_estimators
 from scheduling.calibration import PostDraftCalibrator
@@ -129,6 +129,7 @@ class LoadConfig(BaseModel):
         default="poisson", description="poisson: open loop at `rate`; closed: `users` requests always in flight"
     )
     users: int = Field(default=1, ge=1, description="closed loop: requests kept in flight across the fleet")
+    long_prompts: LongPrompts | None = None
 
 
 def prompts(load: LoadConfig, chars_per_token: float, rng: random.Random) -> Iterator[SimRequest]:
@@ -139,12 +140,16 @@ def prompts(load: LoadConfig, chars_per_token: float, rng: random.Random) -> Ite
     for n in itertools.count():
         domain = rng.choices(names, weights)[0]
         item = rng.choice(shipped[domain])
+        prompt = item["prompt"]
+        if load.long_prompts is not None:
+            lp = load.long_prompts
+            prompt = with_context(prompt, shipped[domain], lp.tokens(rng), lp.chars_per_token, rng)
         yield SimRequest(
             id=f"r{n}",
             key=n,
             domain=domain,
-            prompt=item["prompt"],
-            prompt_tokens=max(1, round(len(item["prompt"]) / chars_per_token)),
+            prompt=prompt,
+            prompt_tokens=max(1, round(len(prompt) / chars_per_token)),
             max_tokens=load.max_tokens or item["max_tokens"],
             arrival_s=0.0,
         )

@@ -3,7 +3,10 @@
 With a replica's stats (`replicas/routing_stats.py`) and the requests the
 router added there since they were taken (n of them, the new one included):
 
-    base after   = base_step_ms + n * base_request_ms       (the step with no speculation: WCS cannot shrink it)
+    prefill      = prompt tokens * prefill_token_ms / (output tokens / tokens per step)
+                   (the new request's prefill, its engine time spread over the steps it will decode for there)
+
+    base after   = base_step_ms + n * base_request_ms + prefill   (the step with no speculation: WCS cannot shrink it)
     demand       = (step_ms - base_step_ms) + n * (request_ms - base_request_ms)   (speculation at today's mix)
     kept         = min(1, (cap_ms - base after) / demand)   (the share of it that still fits under the cap)
     step after   = base after + kept * demand
@@ -32,7 +35,7 @@ class FleetArrays:
     """The stats of a fleet as columns, so that one decision scores every replica in a few numpy operations."""
 
     FIELDS = ("running", "load", "max_num_seqs", "cap_ms", "step_ms", "request_ms", "base_step_ms", "base_request_ms", "token_ms",
-              "tokens_per_step", "realised_tpot_ms")
+              "prefill_token_ms", "tokens_per_step", "realised_tpot_ms")
 
     def __init__(self, fleet: list[RoutingStats]) -> None:
         for name in self.FIELDS:
@@ -69,17 +72,27 @@ class Forecast(NamedTuple):
     tpot: np.ndarray  # predicted TPOT (ms): the worse of the new request's and the batch's
 
 
-def placement_forecast(fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float) -> Forecast:
+DEFAULT_OUTPUT_TOKENS = 256  # a request that sets no max_tokens is priced as decoding this many
+
+
+def placement_forecast(
+    fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float, prompt_tokens: float = 0.0,
+    output_tokens: int | None = None,
+) -> Forecast:
     """Step time, TPOT and queue per replica after placing one more request there (the module's formulas).
 
     `added`: requests routed to each replica since its stats were taken, net of those finished since.
     `tokens_if_room`: tokens per step the request is expected to get on each replica where the budget covers
-    its drafts (`expected_tokens_per_step`).
+    its drafts (`expected_tokens_per_step`). `prompt_tokens`, `output_tokens`: the request's (its prefill's
+    price; 0 leaves prefill out, as the autoscaler's supply search does).
     """
     f = fleet
     n_new = np.maximum(added, -f.running) + 1.0
     queued = np.maximum(0.0, f.load + n_new - f.max_num_seqs)
     base_after = f.base_step_ms + n_new * f.base_request_ms
+    if prompt_tokens > 0:
+        steps = (output_tokens or DEFAULT_OUTPUT_TOKENS) / np.maximum(np.asarray(tokens_if_room, dtype=np.float64), 1.0)
+        base_after = base_after + np.nan_to_num(f.prefill_token_ms) * prompt_tokens / np.maximum(steps, 1.0)
     # Speculation's demand at the new batch; never negative: forecast below the running batch (fewer requests, as the
     # autoscaler's supply search and a replica whose requests finished since its stats ask), a measured speculation
     # share smaller than the per-request slope times the requests removed would otherwise make the step negative.
@@ -92,10 +105,13 @@ def placement_forecast(fleet: FleetArrays, added: np.ndarray, tokens_if_room: np
     return Forecast(n_new, queued, step_after, np.maximum(tpot_new, tpot_batch))
 
 
-def placement_slack(fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float) -> np.ndarray:
+def placement_slack(
+    fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float, prompt_tokens: float = 0.0,
+    output_tokens: int | None = None,
+) -> np.ndarray:
     """TPOT slack (ms) per replica after placing one more request there (see `placement_forecast`)."""
     f = fleet
-    fc = placement_forecast(fleet, added, tokens_if_room)
+    fc = placement_forecast(fleet, added, tokens_if_room, prompt_tokens, output_tokens)
     slack = f.cap_ms - fc.tpot - fc.queued * f.cap_ms
     # No cost model (an engine without WCS): fewer requests is all that can be said.
     return np.where(f.has_cost, slack, -(f.load + fc.n_new) - fc.queued * f.cap_ms)

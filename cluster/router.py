@@ -42,7 +42,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Repli
 from cluster import admission as admission_module, router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
 from cluster.placement import FleetArrays
 from cluster.route import route
-from cluster.prompt_model import PromptModel, prompt_text
+from cluster.prompt_model import PromptModel, output_limit, prompt_text
 from replicas.routing_stats import RoutingStats
 
 ROUTER_NAME = "acceptance_headroom"
@@ -100,6 +100,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         if self.admission is not None and not self.admission.enabled:
             self.admission = None
         self.loop = admission_module.admission_loop(self._deployment_id.name, self.admission) if self.admission else None
+        self._prompts = self.admission or admission_module.AdmissionConfig()  # prompt tokens from characters, as admission counts them
         self.drain = admission_module.DrainMeter()
         self.model = PromptModel.shipped()
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)
@@ -141,7 +142,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self.model.relative_acceptance(body) if body else 1.0,
             loop=loop,
             config=config,
-            prompt_tokens=admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, config) if config else 0.0,
+            prompt_tokens=admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, config or self._prompts),
+            output_tokens=output_limit(body) if body else None,
             drain_rates=self.drain.rates(view.ids) if config else None,
             waited_ms=waited_ms,
             slo=admission_module.RequestSLO.model_validate(slo) if slo and config else None,

@@ -15,6 +15,8 @@ here is in step terms, from the replica's own profiled cost model:
   step): the part of a step that WCS cannot shrink, where the rest is speculation it sizes to the
   cap and gives up first when more requests arrive;
 - `token_ms`: what one more verified draft token adds to a step;
+- `prefill_token_ms`: what a prompt token costs in a chunk of prefill that fills the step's token budget
+  (on a GPU a few tokens more are nearly free below the knee, a long prompt's chunks are not);
 - `tokens_per_step`: tokens each request gets per step (1 + accepted drafts);
 - `predicted_accept_len`: the estimator's mean accepted length for the running batch (what the router
   goes by until `mix_measured`: the replica has run steps, so `tokens_per_step` is measured);
@@ -46,6 +48,7 @@ class RoutingStats(BaseModel):
     base_step_ms: float | None = None  # the step without speculation (every request one token)
     base_request_ms: float | None = None  # what one more request adds to it
     token_ms: float | None = None  # what one more verified token adds to a step
+    prefill_token_ms: float | None = None  # per prompt token, in a prefill chunk that fills the token budget
     tokens_per_step: float = 1.0
     verified_per_step: float = 0.0  # verified drafts per request-step
     mix_measured: bool = False  # tokens_per_step and verified_per_step come from steps the engine ran
@@ -150,5 +153,7 @@ def routing_stats(
     stats.base_step_ms = min(base, step)
     stats.base_request_ms = min(max((cost.step_ms(r + k, 0, r + k) - base) / k, 0.0), stats.request_ms)
     stats.token_ms = max((cost.step_ms(r, round(drafted), round(target) + 8) - step) / 8.0, 1e-3)
+    chunk = max(token_budget - round(target), 1)
+    stats.prefill_token_ms = max((cost.step_ms(r, round(drafted), round(target) + chunk) - step) / chunk, 1e-4)
     stats.headroom_tokens = headroom_tokens(cost, r, drafted, target, cap_ms, token_budget)
     return stats

@@ -14,6 +14,7 @@ import pytest
 
 from cluster.bench_router import BenchReplica
 from cluster.placement import FleetArrays, expected_tokens_per_step, placement_slack
+from cluster.prompt_model import output_limit
 from replicas.routing_stats import StepMix, headroom_tokens, routing_stats
 from scheduling.cost_model import StepCostModel
 
@@ -100,6 +101,27 @@ def test_a_request_goes_to_the_replica_whose_drafter_serves_it_not_to_the_cheape
     # replica without a drafter is the better place, and the score says so.
     slack = score([replica(COST, drafts, 2.5), replica(COST, StepMix(measured=True), 1.0)], [0, 0], None)
     assert slack[1] > slack[0] + 5.0
+
+
+def test_a_long_prompt_goes_where_its_prefill_costs_least_per_step_of_its_decoding():
+    # Two replicas alike at the step the router sees, but one prefills at a fifth of the other's cost per prompt
+    # token (a faster GPU above the knee, where a decoding step's few tokens cost the same on both).
+    base = stats(16, cap_ms=40.0)
+    fleet = FleetArrays([base.model_copy(update={"prefill_token_ms": 0.05}), base.model_copy(update={"prefill_token_ms": 0.01})])
+    tokens = expected_tokens_per_step(fleet, 1.0)
+    slack = lambda **request: placement_slack(fleet, np.zeros(2), tokens, **request)  # noqa: E731
+    long_prompt = slack(prompt_tokens=4000, output_tokens=200)
+    assert long_prompt[1] > long_prompt[0] + 0.5  # 4000 x 0.04 ms spread over 100 steps of 2 tokens: 1.6 ms a step
+    short = slack(prompt_tokens=20, output_tokens=200)
+    assert abs(short[1] - short[0]) < 0.01  # control: a short prompt costs about the same anywhere
+    # The same prompt weighs less spread over a longer output; with no prompt the score is the one before prompts.
+    assert long_prompt[0] < slack(prompt_tokens=4000, output_tokens=2000)[0] < slack()[0] + 1e-9
+    assert slack()[0] == pytest.approx(slack()[1])
+    # The replica prices a prompt token itself, in a chunk that fills its token budget: this linear model's slope.
+    assert base.prefill_token_ms == pytest.approx(0.3)
+    # The output the router spreads a prefill over: the request's own limit, else DEFAULT_OUTPUT_TOKENS.
+    assert [output_limit(b) for b in ({"max_tokens": 64}, {"max_completion_tokens": 9, "max_tokens": 64}, {},
+                                      {"max_tokens": True}, {"max_tokens": -3})] == [64, 9, None, None, None]
 
 
 def test_a_replica_that_ran_is_judged_by_its_measured_tokens_even_when_nothing_was_accepted():

@@ -230,6 +230,7 @@ class Fleet:
                      for d in shipped.domains]
             shipped = shipped.model_copy(update={"accept_len": means})
         self.prompt_model = shipped
+        self._prompts = AdmissionConfig(chars_per_token=config.chars_per_token)  # prompt tokens as the router estimates them
         self.rng = random.Random(seed)
         self.loop = AdmissionLoop(config.admission) if config.admission and config.admission.enabled else None
         self.drain = DrainMeter()
@@ -282,7 +283,8 @@ class Fleet:
             self.prompt_model.relative_acceptance({"prompt": r.prompt}),
             loop=self.loop,
             config=admission,
-            prompt_tokens=estimated_prompt_tokens(len(r.prompt), admission) if admission else 0.0,
+            prompt_tokens=estimated_prompt_tokens(len(r.prompt), admission or self._prompts),
+            output_tokens=r.max_tokens,
             drain_rates=self.drain.rates([int(i) for i in serving], now) if admission else None,
             waited_ms=waited_ms,
             now=now,

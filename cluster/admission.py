@@ -28,7 +28,9 @@ about this request's length.
   for a request to finish, at the replica's measured completion rate
   (`DrainMeter`);
 - prompt tokens are estimated from the prompt's characters (the router has no
-  tokenizer) and cost a verified token's `token_ms` each in the prefill step.
+  tokenizer) and cost the replica's `prefill_token_ms` each (a prompt token's
+  price in a chunk that fills the step's token budget: on a GPU a verified
+  token's `token_ms` below the knee is nearly free, a long prompt is not).
 
 A replica is feasible when both predictions fit the request's SLOs, the TPOT
 one with a margin (`tpot_share` of the SLO): admitted at exactly the SLO, a
@@ -183,7 +185,7 @@ def decide(
     rate = np.maximum(drain_rate, config.min_drain_rate)
     wait_ms = fc.queued * 1000.0 / rate
     has_cost = f.has_cost
-    prefill = np.where(has_cost, prompt_tokens * np.nan_to_num(f.token_ms), 0.0)
+    prefill = np.where(has_cost, prompt_tokens * np.nan_to_num(f.prefill_token_ms), 0.0)
     # The requests that replace those finishing bring their prefills into the steps of the batch: at the
     # measured rate, each step carries rate * step of them, which stretches every step by that share.
     stretch = 1.0 / np.maximum(1.0 - drain_rate * prefill / 1000.0, 0.1)

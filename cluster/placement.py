@@ -45,6 +45,7 @@ class FleetArrays:
         # Speculation's share of a step, now and per request (zero for a replica that reports no base step).
         self.base_step_ms = np.where(np.isnan(self.base_step_ms), self.step_ms, self.base_step_ms)
         self.base_request_ms = np.where(np.isnan(self.base_request_ms), self.request_ms, self.base_request_ms)
+        self.prefill_token_ms = np.where(np.isnan(self.prefill_token_ms), self.token_ms, self.prefill_token_ms)
         self.spec_ms = np.maximum(self.step_ms - self.base_step_ms, 0.0)
         self.spec_request_ms = np.maximum(self.request_ms - self.base_request_ms, 0.0)
         # Per replica, measured tokens per step, even at 1.0 (its engine drafts nothing that is accepted at this

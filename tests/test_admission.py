@@ -50,6 +50,20 @@ def test_admits_while_predicted_ttft_and_tpot_fit_and_refuses_when_they_do_not()
     assert one(stats(30), config=CONFIG.model_copy(update={"tpot_ms": 30.0})).admit
 
 
+def test_a_long_prompt_is_priced_at_a_prefill_chunks_cost_per_token_on_a_gpu_profile():
+    # On a GPU a step's few extra tokens are nearly free (below the knee); a long prompt's prefill is not.
+    from cluster.sim.profiles import load_profile
+
+    s = routing_stats(cost=load_profile("h100-8b-tp1").cost, running=16, waiting=0, kv_usage=0.1, max_num_seqs=256,
+                      token_budget=8192, cap_ms=20.0, mix=StepMix(drafted=4, verified=3, accepted=2, measured=True),
+                      predicted_accept_len=3.0)
+    assert s.prefill_token_ms > 10 * s.token_ms
+    short, long_ = one(s, prompt=20.0), one(s, prompt=8000.0)
+    assert long_.ttft_ms[0] - short.ttft_ms[0] == pytest.approx(7980 * s.prefill_token_ms, rel=0.05)  # ~240 ms
+    assert long_.ttft_ms[0] - short.ttft_ms[0] > 10 * 7980 * s.token_ms  # not priced as verified tokens (~8 ms)
+    assert not one(s, prompt=20000.0).admit and short.admit  # 20k prompt tokens: past the 500 ms TTFT SLO
+
+
 def test_a_replica_too_slow_for_the_slo_alone_is_held_to_the_slos_headroom_above_its_own_tpot():
     # One request alone takes ~30 ms a token where the SLO is 20 ms (a slow host, or a profile taken under
     # contention): refusing everything would protect nothing, and nothing would ever be measured.

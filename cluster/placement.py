@@ -3,15 +3,17 @@
 With a replica's stats (`replicas/routing_stats.py`) and the requests the
 router added there since they were taken (n of them, the new one included):
 
-    prefill      = prompt tokens * prefill_token_ms / (output tokens / tokens per step)
-                   (the new request's prefill, its engine time spread over the steps it will decode for there)
+    prefill      = (prompt tokens routed there since the stats + the new one's) * prefill_token_ms
+    stretch      = 1 / max(1 - prefill / horizon, 0.1)    (those prefills take that much of the engine's next
+                   stats period from decoding: every step the batch decodes in it is that much longer)
 
-    base after   = base_step_ms + n * base_request_ms + prefill   (the step with no speculation: WCS cannot shrink it)
+    base after   = base_step_ms + n * base_request_ms       (the step with no speculation: WCS cannot shrink it)
     demand       = (step_ms - base_step_ms) + n * (request_ms - base_request_ms)   (speculation at today's mix)
     kept         = min(1, (cap_ms - base after) / demand)   (the share of it that still fits under the cap)
     step after   = base after + kept * demand
-    TPOT after   = step after / (1 + kept * accepted per step)   (for the new request and for the batch)
-    slack        = cap_ms - TPOT after - queued * cap_ms    (a request past the engine's batch waits)
+    TPOT after   = stretch * step after / (1 + kept * accepted per step)   (for the new request and for the batch)
+    TPOT seen    = TPOT after * realised TPOT / modelled TPOT of the last period (clipped to [1/4, 4])
+    slack        = cap_ms - TPOT seen - queued * cap_ms     (a request past the engine's batch waits)
 
 WCS sizes each step's speculation to the cap, so a replica whose step is at
 the cap is not full: one more request there takes its share of the budget and
@@ -55,6 +57,12 @@ class FleetArrays:
         # drafter, whose cheaper steps it credited with the others' accepted tokens.)
         ref = np.array([s.tokens_per_step if s.mix_measured else s.predicted_accept_len for s in fleet], dtype=np.float64)
         self.reference_tokens = np.maximum(ref, 1.0)
+        # Realised over modelled TPOT for the batch each replica ran (NaN where nothing compares: no cost model,
+        # nothing decoded in the last period, or an idle batch now): what the model does not see, such as the
+        # prefill chunks of long prompts in its steps or a host's CPU taken by others.
+        modelled = self.step_ms / np.maximum(self.tokens_per_step, 1.0)
+        ok = self.has_cost & (self.running > 0) & np.isfinite(self.realised_tpot_ms) & (modelled > 0)
+        self.realised_ratio = np.where(ok, self.realised_tpot_ms / np.where(ok, modelled, 1.0), np.nan)
 
 
 def expected_tokens_per_step(fleet: FleetArrays, relative_acceptance: float) -> np.ndarray:
@@ -73,27 +81,26 @@ class Forecast(NamedTuple):
     tpot: np.ndarray  # predicted TPOT (ms): the worse of the new request's and the batch's
 
 
-DEFAULT_OUTPUT_TOKENS = 256  # a request that sets no max_tokens is priced as decoding this many
+MAX_REALISED_RATIO = 4.0  # a replica's realised over modelled TPOT scales its forecast within [1/4, 4]
+PREFILL_HORIZON_MS = 1000.0  # prefills routed since the stats run within about a stats period (Serve's default 1 s)
 
 
 def placement_forecast(
     fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float, prompt_tokens: float = 0.0,
-    output_tokens: int | None = None,
+    pending_prompt_tokens: np.ndarray | float = 0.0, horizon_ms: float = PREFILL_HORIZON_MS,
 ) -> Forecast:
     """Step time, TPOT and queue per replica after placing one more request there (the module's formulas).
 
     `added`: requests routed to each replica since its stats were taken, net of those finished since.
     `tokens_if_room`: tokens per step the request is expected to get on each replica where the budget covers
-    its drafts (`expected_tokens_per_step`). `prompt_tokens`, `output_tokens`: the request's (its prefill's
-    price; 0 leaves prefill out, as the autoscaler's supply search does).
+    its drafts (`expected_tokens_per_step`). `prompt_tokens`: the request's; `pending_prompt_tokens`: those of
+    the requests routed to each replica since its stats (both 0 leave prefill out, as the autoscaler's supply
+    search does).
     """
     f = fleet
     n_new = np.maximum(added, -f.running) + 1.0
     queued = np.maximum(0.0, f.load + n_new - f.max_num_seqs)
     base_after = f.base_step_ms + n_new * f.base_request_ms
-    if prompt_tokens > 0:
-        steps = (output_tokens or DEFAULT_OUTPUT_TOKENS) / np.maximum(np.asarray(tokens_if_room, dtype=np.float64), 1.0)
-        base_after = base_after + np.nan_to_num(f.prefill_token_ms) * prompt_tokens / np.maximum(steps, 1.0)
     # Speculation's demand at the new batch; never negative: forecast below the running batch (fewer requests, as the
     # autoscaler's supply search and a replica whose requests finished since its stats ask), a measured speculation
     # share smaller than the per-request slope times the requests removed would otherwise make the step negative.
@@ -103,16 +110,22 @@ def placement_forecast(
     gain = np.maximum(np.asarray(tokens_if_room, dtype=np.float64) - 1.0, 0.0)
     tpot_new = step_after / (1.0 + gain * kept)
     tpot_batch = np.where(f.running > 0, step_after / (1.0 + np.maximum(f.tokens_per_step - 1.0, 0.0) * kept), 0.0)
-    return Forecast(n_new, queued, step_after, np.maximum(tpot_new, tpot_batch))
+    tpot = np.maximum(tpot_new, tpot_batch)
+    prefill_ms = np.nan_to_num(f.prefill_token_ms) * (np.asarray(pending_prompt_tokens, dtype=np.float64) + prompt_tokens)
+    if np.any(prefill_ms > 0):
+        stretch = 1.0 / np.maximum(1.0 - prefill_ms / horizon_ms, 0.1)
+        step_after, tpot = step_after * stretch, tpot * stretch
+    return Forecast(n_new, queued, step_after, tpot)
 
 
 def placement_slack(
     fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float, prompt_tokens: float = 0.0,
-    output_tokens: int | None = None,
+    pending_prompt_tokens: np.ndarray | float = 0.0,
 ) -> np.ndarray:
     """TPOT slack (ms) per replica after placing one more request there (see `placement_forecast`)."""
     f = fleet
-    fc = placement_forecast(fleet, added, tokens_if_room, prompt_tokens, output_tokens)
-    slack = f.cap_ms - fc.tpot - fc.queued * f.cap_ms
+    fc = placement_forecast(fleet, added, tokens_if_room, prompt_tokens, pending_prompt_tokens)
+    realised = np.clip(np.nan_to_num(f.realised_ratio, nan=1.0), 1.0 / MAX_REALISED_RATIO, MAX_REALISED_RATIO)
+    slack = f.cap_ms - fc.tpot * realised - fc.queued * f.cap_ms
     # No cost model (an engine without WCS): fewer requests is all that can be said.
     return np.where(f.has_cost, slack, -(f.load + fc.n_new) - fc.queued * f.cap_ms)

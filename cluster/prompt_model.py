@@ -41,15 +41,6 @@ def prompt_text(body: dict) -> str:
     return ""
 
 
-def output_limit(body: dict) -> int | None:
-    """The output tokens a request asks for at most (`max_tokens`, or chat's `max_completion_tokens`); None: unset."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 class PromptModel(BaseModel):
     domains: list[str]
     accept_len: list[float]  # per domain: mean accepted length (accepted drafts + 1, full width)

@@ -2,7 +2,7 @@
 (`cluster/sim/`) both run per request.
 
 Given the fleet's stats as arrays, the requests routed to each replica since they were taken, and the
-request (its acceptance relative to the workload's, its prompt length and its output limit), it scores
+request (its acceptance relative to the workload's and its prompt length), it scores
 every replica by the TPOT slack left after placing the request there (`placement_slack`), and with
 admission on keeps only the replicas predicted to meet the request's SLOs (`AdmissionLoop.decide`), or
 refuses it.
@@ -33,7 +33,7 @@ def route(
     loop: AdmissionLoop | None = None,
     config: AdmissionConfig | None = None,
     prompt_tokens: float = 0.0,
-    output_tokens: int | None = None,
+    pending_prompt_tokens: np.ndarray | float = 0.0,
     drain_rates: np.ndarray | None = None,
     waited_ms: float = 0.0,
     slo: RequestSLO | None = None,
@@ -41,11 +41,12 @@ def route(
     now: float | None = None,
 ) -> Route:
     """`added`: requests routed to each replica since its stats were taken, net of those finished since;
-    `prompt_tokens`, `output_tokens`: the request's (estimated from its text; its max_tokens, None: unset);
+    `prompt_tokens`: the request's (estimated from its text); `pending_prompt_tokens`: those routed to each replica
+    since its stats (as `added`);
     `drain_rates`: each replica's measured completions per second (admission only); `now`: the admission
     loop's clock (None: the monotonic clock; a simulator passes its own)."""
     tokens = expected_tokens_per_step(fleet, relative_acceptance)
-    slack = placement_slack(fleet, added, tokens, prompt_tokens, output_tokens)
+    slack = placement_slack(fleet, added, tokens, prompt_tokens, pending_prompt_tokens)
     decision, correction = None, Corrections()
     if loop is not None and config is not None:
         rates = np.zeros(len(slack)) if drain_rates is None else drain_rates

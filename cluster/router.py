@@ -42,7 +42,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Repli
 from cluster import admission as admission_module, router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
 from cluster.placement import FleetArrays
 from cluster.route import route
-from cluster.prompt_model import PromptModel, output_limit, prompt_text
+from cluster.prompt_model import PromptModel, prompt_text
 from replicas.routing_stats import RoutingStats
 
 ROUTER_NAME = "acceptance_headroom"
@@ -54,7 +54,8 @@ class _FleetView:
 
     `routed` follows the router's in-flight count per replica; `baseline` is that count when each
     replica's stats were taken (kept across lists while a replica's stats timestamp is unchanged),
-    so `routed - baseline` is what the router added since the stats saw it.
+    so `routed - baseline` is what the router added since the stats saw it. `prompts` sums the
+    (estimated) prompt tokens it routed to each replica since those stats.
     """
 
     def __init__(self, candidates: list[RunningReplica], previous: "_FleetView | None", in_flight: dict) -> None:
@@ -67,6 +68,7 @@ class _FleetView:
         self.stamps = [raw.get("timestamp") if raw else None for raw in raws]
         self.routed = np.array([in_flight.get(rid, 0) for rid in self.ids], dtype=np.float64)
         self.baseline = self.routed.copy()
+        self.prompts = np.zeros(len(self.ids))
         if not all(raws):
             return
         stats = [RoutingStats.model_validate(raw) for raw in raws]
@@ -77,11 +79,13 @@ class _FleetView:
                 j = previous.position.get(rid)
                 if j is not None and previous.stamps[j] == stamp:
                     self.baseline[i] = previous.baseline[j]
+                    self.prompts[i] = previous.prompts[j]
 
-    def count(self, replica_id: ReplicaID, delta: int) -> None:
+    def count(self, replica_id: ReplicaID, delta: int, prompt_tokens: float = 0.0) -> None:
         i = self.position.get(replica_id)
         if i is not None:
             self.routed[i] = max(self.routed[i] + delta, 0.0)
+            self.prompts[i] += prompt_tokens
 
 
 class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
@@ -142,8 +146,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self.model.relative_acceptance(body) if body else 1.0,
             loop=loop,
             config=config,
-            prompt_tokens=admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, config or self._prompts),
-            output_tokens=output_limit(body) if body else None,
+            prompt_tokens=self._prompt_tokens(body),
+            pending_prompt_tokens=view.prompts * self.ingresses,
             drain_rates=self.drain.rates(view.ids) if config else None,
             waited_ms=waited_ms,
             slo=admission_module.RequestSLO.model_validate(slo) if slo and config else None,
@@ -202,6 +206,9 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self._timer.observe(time.perf_counter() - start)
         return ranks
 
+    def _prompt_tokens(self, body: dict | None) -> float:
+        return admission_module.estimated_prompt_tokens(len(prompt_text(body)) if body else 0, self._prompts)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self.in_flight[replica_id] += 1
         predicted = self._predictions.pop(pending_request.kwargs.get("ticket"), None)
@@ -209,7 +216,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             i = predicted[0][replica_id]
             self.loop.routed(pending_request.kwargs["ticket"], replica_id, float(predicted[1][i]), float(predicted[2][i]))
         if self._view is not None:
-            self._view.count(replica_id, 1)
+            args = pending_request.args
+            self._view.count(replica_id, 1, self._prompt_tokens(args[1] if len(args) > 1 and isinstance(args[1], dict) else None))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.drain.completed(replica_id)

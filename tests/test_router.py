@@ -14,7 +14,6 @@ import pytest
 
 from cluster.bench_router import BenchReplica
 from cluster.placement import FleetArrays, expected_tokens_per_step, placement_slack
-from cluster.prompt_model import output_limit
 from replicas.routing_stats import StepMix, headroom_tokens, routing_stats
 from scheduling.cost_model import StepCostModel
 
@@ -103,25 +102,36 @@ def test_a_request_goes_to_the_replica_whose_drafter_serves_it_not_to_the_cheape
     assert slack[1] > slack[0] + 5.0
 
 
-def test_a_long_prompt_goes_where_its_prefill_costs_least_per_step_of_its_decoding():
+def test_long_prompts_go_where_prefill_is_cheap_and_few_prompt_tokens_were_routed_since_the_stats():
     # Two replicas alike at the step the router sees, but one prefills at a fifth of the other's cost per prompt
     # token (a faster GPU above the knee, where a decoding step's few tokens cost the same on both).
     base = stats(16, cap_ms=40.0)
     fleet = FleetArrays([base.model_copy(update={"prefill_token_ms": 0.05}), base.model_copy(update={"prefill_token_ms": 0.01})])
     tokens = expected_tokens_per_step(fleet, 1.0)
     slack = lambda **request: placement_slack(fleet, np.zeros(2), tokens, **request)  # noqa: E731
-    long_prompt = slack(prompt_tokens=4000, output_tokens=200)
-    assert long_prompt[1] > long_prompt[0] + 0.5  # 4000 x 0.04 ms spread over 100 steps of 2 tokens: 1.6 ms a step
-    short = slack(prompt_tokens=20, output_tokens=200)
-    assert abs(short[1] - short[0]) < 0.01  # control: a short prompt costs about the same anywhere
-    # The same prompt weighs less spread over a longer output; with no prompt the score is the one before prompts.
-    assert long_prompt[0] < slack(prompt_tokens=4000, output_tokens=2000)[0] < slack()[0] + 1e-9
-    assert slack()[0] == pytest.approx(slack()[1])
+    long_prompt = slack(prompt_tokens=4000)
+    assert long_prompt[1] > long_prompt[0] + 2.0  # 200 ms of the next second's decoding against 40 ms
+    short = slack(prompt_tokens=20)
+    assert abs(short[1] - short[0]) < 0.05  # control: a short prompt costs about the same anywhere
+    assert slack()[0] == pytest.approx(slack()[1])  # and with no prompt the score is the one before prompts
+    # The prompts routed since the stats weigh too: 20,000 tokens sent to the cheap one (200 ms of its prefill) make
+    # the other the better place.
+    assert slack(prompt_tokens=4000, pending_prompt_tokens=np.array([0.0, 20000.0]))[0] > \
+        slack(prompt_tokens=4000, pending_prompt_tokens=np.array([0.0, 20000.0]))[1]
     # The replica prices a prompt token itself, in a chunk that fills its token budget: this linear model's slope.
     assert base.prefill_token_ms == pytest.approx(0.3)
-    # The output the router spreads a prefill over: the request's own limit, else DEFAULT_OUTPUT_TOKENS.
-    assert [output_limit(b) for b in ({"max_tokens": 64}, {"max_completion_tokens": 9, "max_tokens": 64}, {},
-                                      {"max_tokens": True}, {"max_tokens": -3})] == [64, 9, None, None, None]
+
+
+def test_a_replica_whose_realised_tpot_runs_over_its_model_scores_lower_until_it_catches_up():
+    base = stats(16, cap_ms=40.0)
+    modelled = base.step_ms / base.tokens_per_step
+    slow = base.model_copy(update={"realised_tpot_ms": 2.0 * modelled})
+    fleet = FleetArrays([slow, base])  # the second has no realised TPOT: its model stands
+    slack = placement_slack(fleet, np.zeros(2), expected_tokens_per_step(fleet, 1.0))
+    assert slack[1] > slack[0] + 5.0
+    on_model = FleetArrays([base.model_copy(update={"realised_tpot_ms": modelled}), base])  # control: as modelled
+    slack = placement_slack(on_model, np.zeros(2), expected_tokens_per_step(on_model, 1.0))
+    assert slack[0] == pytest.approx(slack[1])
 
 
 def test_a_replica_that_ran_is_judged_by_its_measured_tokens_even_when_nothing_was_accepted():
@@ -213,6 +223,35 @@ def test_router_in_flight_accounting_spreads_requests_between_stats_updates():
         view = router._fleet(replicas)
         assert list(view.baseline) == [chosen.count("r0"), chosen.count("r1")]
         assert list(view.routed - view.baseline) == [0, 0]
+
+    asyncio.run(go())
+
+
+def test_router_counts_the_prompt_tokens_it_routed_since_the_stats_and_sends_long_prompts_apart():
+    async def route_four(body):
+        router, replicas = make_router(), fleet([20, 14])  # r1 has room for several more requests than r0
+        picks = []
+        for _ in range(4):
+            request = pending(body)
+            first = (await router.choose_replicas(replicas, request))[0]
+            pick = first[0] if len(first) == 1 else random.choice(first)
+            router.on_request_routed(request, pick.replica_id, None)
+            picks.append(pick.replica_id.unique_id)
+        return router, replicas, picks
+
+    async def go():
+        long_body = {"prompt": "x = 1\n" * 580}  # ~1,000 tokens by the router's estimate, 300 ms of prefill here
+        router, replicas, picks = await route_four(long_body)
+        assert picks[:2] == ["r1", "r0"]  # the second long prompt goes where no prefill is pending
+        _, _, short_picks = await route_four(None)
+        assert short_picks[:2] == ["r1", "r1"]  # control: short prompts fill the emptier replica first
+        view = router._fleet(replicas)
+        tokens = len(long_body["prompt"]) / 3.5
+        assert view.prompts.sum() == pytest.approx(4 * tokens)
+        # New stats for r0 reset what counts as routed since them there; r1's old stats keep its count.
+        on_r1 = view.prompts[1]
+        view = router._fleet(updated(replicas, {0: stats(22).model_dump()}))
+        assert view.prompts[0] == 0 and view.prompts[1] == pytest.approx(on_r1) and on_r1 > 0
 
     asyncio.run(go())
 

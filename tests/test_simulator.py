@@ -271,7 +271,8 @@ def test_a_fleet_description_builds_its_groups_and_replicas_without_a_drafter_ne
 
 def test_many_ingresses_keep_slos_only_when_each_counts_its_routing_as_its_share():
     """16 ingresses on one set of stats, near a 16-replica fleet's capacity (a quarter without a drafter): each
-    counting only what it routed itself herds requests onto the same replicas between stats."""
+    counting only what it routed itself herds requests onto the same replicas between stats. (The realised TPOT
+    in the stats corrects much of it a period later: the gap is a few points, and the simulator is deterministic.)"""
     from cluster.sim.fleet import ReplicaGroup
     from loadtest.report import build_report
 
@@ -281,10 +282,10 @@ def test_many_ingresses_keep_slos_only_when_each_counts_its_routing_as_its_share
     for extrapolate in (False, True):
         config = FleetConfig(groups=groups, engine=EngineSpec(max_num_seqs=256, tpot_slo_ms=20.0), max_ongoing_requests=256,
                              ingresses=16, extrapolate_in_flight=extrapolate)
-        rows = Fleet(config, seed=0).run(LoadConfig(rate=1850.0, duration_s=2.0, seed=0))
-        reports[extrapolate] = build_report(rows, slo, 1850.0, 2.0)
-    assert reports[True].attainment >= reports[False].attainment + 0.02
-    assert reports[True].tpot_ms.p90 <= reports[False].tpot_ms.p90 - 2.0
+        rows = Fleet(config, seed=0).run(LoadConfig(rate=2400.0, duration_s=2.0, seed=0))
+        reports[extrapolate] = build_report(rows, slo, 2400.0, 2.0)
+    assert reports[True].attainment >= reports[False].attainment + 0.015
+    assert reports[True].tpot_ms.p90 <= reports[False].tpot_ms.p90 - 1.0
 
 
 def test_the_simulated_autoscaler_scales_up_for_a_burst_and_back_down_with_serves_own_delays():

@@ -238,6 +238,7 @@ class Fleet:
         self.in_flight = np.zeros(n)  # all ingresses together: what the replicas enforce max_ongoing_requests on
         self.routed = np.zeros((config.ingresses, n))  # each ingress's own in-flight count per replica
         self.baseline = np.zeros((config.ingresses, n))  # ... when the replicas' stats were taken
+        self.prompts_routed = np.zeros((config.ingresses, n))  # each ingress's prompt tokens routed since the stats
         self.arrays: FleetArrays | None = None
         self.autoscaler = SimAutoscaler(config.autoscaling, n) if config.autoscaling else None
         # The replicas taking requests (all, unless autoscaling), in `arrays`' order.
@@ -253,6 +254,7 @@ class Fleet:
         self.serving = np.flatnonzero(self.autoscaler.routable) if self.autoscaler else np.arange(len(self.engines))
         self.arrays = FleetArrays([self.stats[i] for i in self.serving]) if len(self.serving) else None
         self.baseline = self.routed.copy()
+        self.prompts_routed[:] = 0.0
 
     def _choose(self, r: SimRequest, now: float) -> int | None | Literal["refused"]:
         """A replica index, None (every replica is full: wait), or "refused"."""
@@ -284,7 +286,7 @@ class Fleet:
             loop=self.loop,
             config=admission,
             prompt_tokens=estimated_prompt_tokens(len(r.prompt), admission or self._prompts),
-            output_tokens=r.max_tokens,
+            pending_prompt_tokens=self.prompts_routed[r.ingress, serving] * scale,
             drain_rates=self.drain.rates([int(i) for i in serving], now) if admission else None,
             waited_ms=waited_ms,
             now=now,
@@ -377,6 +379,7 @@ class Fleet:
             r.sent_s = now
             self.in_flight[choice] += 1
             self.routed[r.ingress, choice] += 1
+            self.prompts_routed[r.ingress, choice] += estimated_prompt_tokens(len(r.prompt), self._prompts)
             self.engines[choice].add(r)
             start(choice, now)
             return True

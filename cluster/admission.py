@@ -154,11 +154,7 @@ def calibration(fleet: FleetArrays, config: AdmissionConfig) -> np.ndarray:
     """Per replica: realised TPOT over the model's TPOT for the batch it ran (`step_ms / tokens_per_step`),
     clipped to [1 / max_calibration, max_calibration]; NaN where there is nothing to compare (no cost model,
     nothing decoded in the last period, or an idle batch now, whose model TPOT says nothing of the period)."""
-    f = fleet
-    modelled = f.step_ms / np.maximum(f.tokens_per_step, 1.0)
-    ok = f.has_cost & (f.running > 0) & np.isfinite(f.realised_tpot_ms) & (modelled > 0)
-    ratio = np.where(ok, f.realised_tpot_ms / np.where(ok, modelled, 1.0), np.nan)
-    return np.clip(ratio, 1.0 / config.max_calibration, config.max_calibration)
+    return np.clip(fleet.realised_ratio, 1.0 / config.max_calibration, config.max_calibration)
 
 
 def estimated_prompt_tokens(text_chars: int, config: AdmissionConfig) -> float:

@@ -2,10 +2,9 @@
 (`cluster/sim/`) both run per request.
 
 Given the fleet's stats as arrays, the requests routed to each replica since they were taken, and the
-request (its acceptance relative to the workload's and its prompt length), it scores
-every replica by the TPOT slack left after placing the request there (`placement_slack`), and with
-admission on keeps only the replicas predicted to meet the request's SLOs (`AdmissionLoop.decide`), or
-refuses it.
+request (its acceptance relative to the workload's and its prompt length), it scores every replica by the
+TPOT slack left after placing the request there (`placement_slack`), and with admission on keeps only the
+replicas predicted to meet the request's SLOs (`AdmissionLoop.decide`), or refuses it.
 """
 
 from __future__ import annotations

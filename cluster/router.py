@@ -217,7 +217,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self.loop.routed(pending_request.kwargs["ticket"], replica_id, float(predicted[1][i]), float(predicted[2][i]))
         if self._view is not None:
             args = pending_request.args
-            self._view.count(replica_id, 1, self._prompt_tokens(args[1] if len(args) > 1 and isinstance(args[1], dict) else None))
+            body = args[1] if len(args) > 1 and isinstance(args[1], dict) else None
+            self._view.count(replica_id, 1, self._prompt_tokens(body))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.drain.completed(replica_id)

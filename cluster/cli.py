@@ -168,15 +168,6 @@ def _positive_floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _long_prompts(text: str):
-    from loadtest.config import LongPrompts
-
-    try:
-        return LongPrompts.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
-
-
 def _load_config(args: argparse.Namespace, url: str, rate: float):
     from loadtest.config import LoadTestConfig, Shape
 
@@ -314,6 +305,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _add_load_options(p: argparse.ArgumentParser, out: str, duration: float) -> None:
+    from loadtest.config import LongPrompts
+
     p.add_argument("--duration", type=float, default=duration, help=f"seconds of arrivals per load test (default {duration:g})")
     p.add_argument("--drain", type=float, default=60.0, help="seconds requests in flight may run after the arrivals stop")
     p.add_argument("--slo", metavar="PATH", help="SLO YAML (default loadtest/slo.yaml)")
@@ -325,7 +318,7 @@ def _add_load_options(p: argparse.ArgumentParser, out: str, duration: float) -> 
     p.add_argument("--api-key", default=None)
     p.add_argument("--domains", type=_domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
-    p.add_argument("--long-prompts", type=_long_prompts, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
+    p.add_argument("--long-prompts", type=LongPrompts.argument, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
                    help="skewed prompt lengths: SHARE of requests carry a context of lognormal length (MEDIAN tokens, "
                    "SIGMA the spread of its log, default 1), e.g. 0.1:2000")
     p.add_argument("--arrivals", choices=("poisson", "closed"), default="poisson", help="open-loop Poisson (default) or closed-loop users")

@@ -4,7 +4,7 @@ With a replica's stats (`replicas/routing_stats.py`) and the requests the
 router added there since they were taken (n of them, the new one included):
 
     prefill      = (prompt tokens routed there since the stats + the new one's) * prefill_token_ms
-    stretch      = 1 / max(1 - prefill / horizon, 0.1)    (those prefills take that much of the engine's next
+    stretch      = 1 / max(1 - prefill / 1 s, 0.1)         (those prefills take that much of the engine's next
                    stats period from decoding: every step the batch decodes in it is that much longer)
 
     base after   = base_step_ms + n * base_request_ms       (the step with no speculation: WCS cannot shrink it)
@@ -47,7 +47,6 @@ class FleetArrays:
         # Speculation's share of a step, now and per request (zero for a replica that reports no base step).
         self.base_step_ms = np.where(np.isnan(self.base_step_ms), self.step_ms, self.base_step_ms)
         self.base_request_ms = np.where(np.isnan(self.base_request_ms), self.request_ms, self.base_request_ms)
-        self.prefill_token_ms = np.where(np.isnan(self.prefill_token_ms), self.token_ms, self.prefill_token_ms)
         self.spec_ms = np.maximum(self.step_ms - self.base_step_ms, 0.0)
         self.spec_request_ms = np.maximum(self.request_ms - self.base_request_ms, 0.0)
         # Per replica, measured tokens per step, even at 1.0 (its engine drafts nothing that is accepted at this
@@ -87,7 +86,7 @@ PREFILL_HORIZON_MS = 1000.0  # prefills routed since the stats run within about 
 
 def placement_forecast(
     fleet: FleetArrays, added: np.ndarray, tokens_if_room: np.ndarray | float, prompt_tokens: float = 0.0,
-    pending_prompt_tokens: np.ndarray | float = 0.0, horizon_ms: float = PREFILL_HORIZON_MS,
+    pending_prompt_tokens: np.ndarray | float = 0.0,
 ) -> Forecast:
     """Step time, TPOT and queue per replica after placing one more request there (the module's formulas).
 
@@ -113,7 +112,7 @@ def placement_forecast(
     tpot = np.maximum(tpot_new, tpot_batch)
     prefill_ms = np.nan_to_num(f.prefill_token_ms) * (np.asarray(pending_prompt_tokens, dtype=np.float64) + prompt_tokens)
     if np.any(prefill_ms > 0):
-        stretch = 1.0 / np.maximum(1.0 - prefill_ms / horizon_ms, 0.1)
+        stretch = 1.0 / np.maximum(1.0 - prefill_ms / PREFILL_HORIZON_MS, 0.1)
         step_after, tpot = step_after * stretch, tpot * stretch
     return Forecast(n_new, queued, step_after, tpot)
 

@@ -80,6 +80,16 @@ class LongPrompts(BaseModel):
             raise ValueError(f"expected SHARE:MEDIAN_TOKENS[:SIGMA], e.g. 0.1:2000:1.0, got {text!r}")
         return cls(share=float(parts[0]), median_tokens=int(parts[1]), **({"sigma": float(parts[2])} if len(parts) == 3 else {}))
 
+    @classmethod
+    def argument(cls, text: str) -> "LongPrompts":
+        """`parse` as an argparse `type` (its error as the option's message)."""
+        import argparse
+
+        try:
+            return cls.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
     def tokens(self, rng) -> int:
         """A context length for one request (0: none); `rng` is a `random.Random`."""
         if self.share <= 0 or rng.random() >= self.share:

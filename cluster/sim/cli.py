@@ -252,20 +252,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from cluster.sim.acceptance import ACCEPTANCE_MODELS
     from cluster.sim.compare import VARIANTS
+    from loadtest.config import LongPrompts
 
     def domain_weights(text: str) -> dict[str, float]:
         try:
             return {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected e.g. code=1,prose=1, got {text!r}") from None
-
-    def long_prompts(text: str):
-        from loadtest.config import LongPrompts
-
-        try:
-            return LongPrompts.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
 
     def common(p: argparse.ArgumentParser, duration: float) -> None:
         p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"cost profile (default {DEFAULT_PROFILE}; see `simulate profiles`)")
@@ -289,7 +282,7 @@ def add_parser(sub) -> None:
         p.add_argument("--target", type=float, help="SLO attainment target (0-1)")
         p.add_argument("--domains", type=domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
         p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
-        p.add_argument("--long-prompts", type=long_prompts, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
+        p.add_argument("--long-prompts", type=LongPrompts.argument, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
                        help="skewed prompt lengths, as `forespark loadtest --long-prompts`, e.g. 0.1:2000")
         p.add_argument("--shape", choices=("constant", "step", "burst"), default="constant")
         p.add_argument("--step-s", type=float, default=10.0)

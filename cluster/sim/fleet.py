@@ -230,7 +230,8 @@ class Fleet:
                      for d in shipped.domains]
             shipped = shipped.model_copy(update={"accept_len": means})
         self.prompt_model = shipped
-        self._prompts = AdmissionConfig(chars_per_token=config.chars_per_token)  # prompt tokens as the router estimates them
+        # Prompt tokens from characters, as the router estimates them (admission's setting when it is on).
+        self._prompts = config.admission or AdmissionConfig(chars_per_token=config.chars_per_token)
         self.rng = random.Random(seed)
         self.loop = AdmissionLoop(config.admission) if config.admission and config.admission.enabled else None
         self.drain = DrainMeter()
@@ -285,7 +286,7 @@ class Fleet:
             self.prompt_model.relative_acceptance({"prompt": r.prompt}),
             loop=self.loop,
             config=admission,
-            prompt_tokens=estimated_prompt_tokens(len(r.prompt), admission or self._prompts),
+            prompt_tokens=estimated_prompt_tokens(len(r.prompt), self._prompts),
             pending_prompt_tokens=self.prompts_routed[r.ingress, serving] * scale,
             drain_rates=self.drain.rates([int(i) for i in serving], now) if admission else None,
             waited_ms=waited_ms,

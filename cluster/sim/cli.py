@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -57,8 +58,16 @@ def _inputs(args: argparse.Namespace, rate: float):
     fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine, groups=groups,
                         traces=Path(args.traces) if args.traces else None,
                         max_ongoing_requests=args.max_num_seqs, admission=admission, ingresses=args.ingresses,
-                        stats_period_s=args.stats_period, **host)
+                        stats_period_s=args.stats_period, workers=_workers(args, groups, host), **host)
     return fleet, load, slo
+
+
+def _workers(args: argparse.Namespace, groups, host: dict) -> int:
+    """`--workers`, or by default one per CPU for fleets of 8 replicas or more (none with a host model)."""
+    if getattr(args, "workers", None) is not None:
+        return args.workers
+    replicas = sum(g.count for g in groups) if groups else args.replicas
+    return (os.cpu_count() or 1) if replicas >= 8 and not host else 0
 
 
 def _label(fleet) -> str:
@@ -274,6 +283,8 @@ def add_parser(sub) -> None:
         p.add_argument("--ingresses", type=int, default=1, help="ingress replicas routing at once, each with its own in-flight "
                        "accounting (variant wcs-local-count: without the router's extrapolation to the others)")
         p.add_argument("--stats-period", type=float, default=1.0, help="seconds between the replicas' routing stats")
+        p.add_argument("--workers", type=int, default=None, help="processes the engines step in, the same results (default: one "
+                       "per CPU from 8 replicas; 0: in the simulator's own process)")
         p.add_argument("--duration", type=float, default=duration, help=f"simulated seconds of arrivals (default {duration:g})")
         p.add_argument("--drain", type=float, default=60.0, help="simulated seconds requests in flight may run after the arrivals stop")
         p.add_argument("--slo", metavar="PATH", help="SLO YAML (default loadtest/slo.yaml)")

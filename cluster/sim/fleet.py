@@ -41,6 +41,7 @@ from cluster.route import route
 from cluster.sim.acceptance import ACCEPTANCE_MODELS, AcceptanceProcess, synthetic_traces
 from cluster.sim.autoscaler import SimAutoscaler, SimAutoscaling
 from cluster.sim.engine import EngineSpec, SimEngine, SimRequest
+from cluster.sim.parallel import EngineShards
 from cluster.sim.profiles import DEFAULT_PROFILE, load_profile
 from cluster.sim.replay import TraceReplay
 from loadtest.config import LongPrompts, Shape
@@ -100,7 +101,8 @@ class FleetConfig(BaseModel):
                               "tokenizing, the first chunk's way back; `simulate validate` fits it)")
     host: HostModel | None = Field(default=None, description="engines sharing the host's CPUs (None: each has its own)")
     autoscaling: SimAutoscaling | None = Field(default=None, description="None: every replica serves throughout")
-
+    workers: int = Field(default=0, ge=0, description="processes the engines step in, beside the fleet's own "
+                         "(`cluster/sim/parallel.py`; the same results); 0: the fleet's process steps them")
 
     @model_validator(mode="after")
     def _groups(self) -> "FleetConfig":
@@ -250,8 +252,8 @@ class Fleet:
         self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
 
     # -- routing -------------------------------------------------------------------------------------------
-    def _refresh_stats(self, now: float) -> None:
-        self.stats = [e.routing_stats(now) for e in self.engines]
+    def _refresh_stats(self, now: float, shards: EngineShards | None = None) -> None:
+        self.stats = [e.routing_stats(now) for e in self.engines] if shards is None else shards.routing_stats(now)
         self.serving = np.flatnonzero(self.autoscaler.routable) if self.autoscaler else np.arange(len(self.engines))
         self.arrays = FleetArrays([self.stats[i] for i in self.serving]) if len(self.serving) else None
         self.baseline = self.routed.copy()
@@ -331,6 +333,13 @@ class Fleet:
             return 1.0
         return self.config.host.speed(sum(stepping), self._event_rate)
 
+    def _shards(self) -> EngineShards | None:
+        if not self.config.workers:
+            return None
+        if self.config.host is not None:
+            raise ValueError("a host model makes each engine's speed depend on the others: simulate it with workers 0")
+        return EngineShards(self.engines, self.config.workers)
+
     # -- the run -------------------------------------------------------------------------------------------
     def run(self, load: LoadConfig, progress: bool = False, requests: list[SimRequest] | None = None) -> list[RequestRow]:
         """Simulate `load` (or replay `requests`, with their own arrival times and lengths); `emitted_by_end`
@@ -362,9 +371,10 @@ class Fleet:
         done: list[SimRequest] = []
         end = load.duration_s + load.drain_s
         bar = tqdm(total=total, desc=f"simulate {self.config.policy}/{self.config.router}", unit="req", disable=not progress)
+        load_of = [e.load for e in self.engines]  # requests routed to each engine and not finished
 
         def start(i: int, now: float) -> None:
-            if not stepping[i] and self.engines[i].load:
+            if not stepping[i] and load_of[i]:
                 stepping[i] = True
                 heapq.heappush(events, (now, next(seq), "step", i))
 
@@ -381,66 +391,89 @@ class Fleet:
             self.in_flight[choice] += 1
             self.routed[r.ingress, choice] += 1
             self.prompts_routed[r.ingress, choice] += estimated_prompt_tokens(len(r.prompt), self._prompts)
-            self.engines[choice].add(r)
+            load_of[choice] += 1
+            if shards is None:
+                self.engines[choice].add(r)
+            else:
+                shards.add(choice, r)
             start(choice, now)
             return True
 
-        while events:
-            now, _, kind, payload = heapq.heappop(events)
-            if now > end:
-                break
-            if kind == "arrive":
-                if not place(payload, now):
-                    waiting.append(payload)
-            elif kind == "mark":
-                self.emitted_by_end = sum(e.emitted for e in self.engines)
-            elif kind == "stats":
-                self._refresh_stats(now)
-                if now + self.config.stats_period_s <= end and (closed or len(done) < total):
-                    heapq.heappush(events, (now + self.config.stats_period_s, next(seq), "stats", None))
-            elif kind == "scale":
-                if self.autoscaler.tick(now, self.stats, self.in_flight, len(waiting)):
-                    self._refresh_stats(now)  # Serve hands the routers the new replica set
-                if now + self.autoscaler.config.control_period_s <= end and (closed or len(done) < total):
-                    heapq.heappush(events, (now + self.autoscaler.config.control_period_s, next(seq), "scale", None))
-            elif kind == "step":
-                i = payload
-                engine = self.engines[i]
-                result = engine.step(now, self._speed(stepping, now))
-                if result.duration_s <= 0:
+        shards = self._shards()
+        now = 0.0
+        try:
+            while events and events[0][0] <= end:
+                now, _, kind, payload = heapq.heappop(events)
+                if kind == "arrive":
+                    if not place(payload, now):
+                        waiting.append(payload)
+                elif kind == "mark":
+                    self.emitted_by_end = sum(e.emitted for e in self.engines) if shards is None else shards.emitted()
+                elif kind == "stats":
+                    self._refresh_stats(now, shards)
+                    if now + self.config.stats_period_s <= end and (closed or len(done) < total):
+                        heapq.heappush(events, (now + self.config.stats_period_s, next(seq), "stats", None))
+                elif kind == "scale":
+                    if self.autoscaler.tick(now, self.stats, self.in_flight, len(waiting)):
+                        self._refresh_stats(now, shards)  # Serve hands the routers the new replica set
+                    if now + self.autoscaler.config.control_period_s <= end and (closed or len(done) < total):
+                        heapq.heappush(events, (now + self.autoscaler.config.control_period_s, next(seq), "scale", None))
+                elif kind == "step":
+                    i, token = payload, next(seq)  # the step's end takes its place among same-time events now, in either mode
+                    if shards is not None:
+                        shards.step(i, now, token)
+                        heapq.heappush(events, (now + shards.lower_bound_s[i], next(seq), "collect", (i, now, token)))
+                        continue
+                    result = self.engines[i].step(now, self._speed(stepping, now))
+                    if result.duration_s <= 0:
+                        stepping[i] = False
+                        continue
+                    heapq.heappush(events, (now + result.duration_s, token, "stepped", (i, result.finished)))
+                elif kind == "collect":
+                    i, started, token = payload
+                    result = shards.result(token)
+                    heapq.heappush(events, (started + result.duration_s, token, "stepped", (i, result.finished)))
+                elif kind == "stepped":
+                    i, finished = payload
+                    self._count_outputs(now)
                     stepping[i] = False
-                    continue
-                heapq.heappush(events, (now + result.duration_s, next(seq), "stepped", (i, result.finished)))
-            elif kind == "stepped":
-                i, finished = payload
-                self._count_outputs(now)
-                stepping[i] = False
-                for r in finished:
-                    self.in_flight[i] -= 1
-                    self.routed[r.ingress, i] -= 1
-                    self.drain.completed(i, now)
-                    done.append(r)
-                    bar.update()
-                    if closed and now < load.duration_s:
-                        arrive(next(stream), now)
-                        bar.total += 1
-                    if self.loop is not None:
-                        self.loop.gate.open()
-                        if r.ticket is not None:
-                            self.loop.finished(
-                                r.ticket, _ttft_ms(r, self.config.request_ms), _tpot_ms(r), now, r.generated
-                            )
-                start(i, now)
-                # Waiting requests are placed first come, first served (Serve's FIFO pending queue): the first
-                # that finds no replica ends the pass (retrying every one of them made overload quadratic).
-                placed = 0
-                while finished and placed < len(waiting) and place(waiting[placed], now):
-                    placed += 1
-                del waiting[:placed]
+                    for r in finished:
+                        load_of[i] -= 1
+                        self.in_flight[i] -= 1
+                        self.routed[r.ingress, i] -= 1
+                        self.drain.completed(i, now)
+                        done.append(r)
+                        bar.update()
+                        if closed and now < load.duration_s:
+                            arrive(next(stream), now)
+                            bar.total += 1
+                        if self.loop is not None:
+                            self.loop.gate.open()
+                            if r.ticket is not None:
+                                self.loop.finished(
+                                    r.ticket, _ttft_ms(r, self.config.request_ms), _tpot_ms(r), now, r.generated
+                                )
+                    start(i, now)
+                    # Waiting requests are placed first come, first served (Serve's FIFO pending queue): the first
+                    # that finds no replica ends the pass (retrying every one of them made overload quadratic).
+                    placed = 0
+                    while finished and placed < len(waiting) and place(waiting[placed], now):
+                        placed += 1
+                    del waiting[:placed]
+            # Steps that end after the run's end: what they finished did not finish within it (504, as unfinished).
+            late = [r for _, _, kind, payload in events if kind == "stepped" for r in payload[1]]
+            if shards is not None:
+                late += [r for _, _, kind, payload in events if kind == "collect" for r in shards.result(payload[2]).finished]
+                self.engines = shards.close()
+            for r in late:
+                r.status, r.finished_s = 0, None
+        finally:
+            if shards is not None:
+                shards.stop()
         bar.close()
         if self.autoscaler is not None:
             self.autoscaler.settle_accounts(min(now, end))
-        unfinished = [r for e in self.engines for r in (*e.running, *e.waiting)] + waiting
+        unfinished = [r for e in self.engines for r in (*e.running, *e.waiting)] + waiting + late
         return [_row(r, self.config.request_ms) for r in sorted(done + unfinished, key=lambda r: r.arrival_s)]
 
 

@@ -24,6 +24,7 @@ from cluster.sim.engine import SimEngine, SimRequest, StepResult
 from replicas.routing_stats import RoutingStats
 
 _BOUND_SHARE = 0.9  # of the cheapest step (one request, one token), at eight noise deviations below its mean
+_POLL_S, _SILENCE_S = 1.0, 600.0  # a worker silent this long while a step is awaited is taken as hung
 
 
 def lower_bound_s(engine: SimEngine) -> float:
@@ -99,6 +100,12 @@ class EngineShards:
 
     def _receive(self, w: int) -> None:
         self._flush(w)
+        waited = 0.0
+        while not self._conns[w].poll(_POLL_S):
+            waited += _POLL_S
+            if not self._procs[w].is_alive() or waited >= _SILENCE_S:
+                raise RuntimeError(f"simulator worker {w} {'exited' if not self._procs[w].is_alive() else 'stopped answering'}"
+                                   f" (exit code {self._procs[w].exitcode})")
         for kind, *rest in self._conns[w].recv():
             if kind == "error":
                 raise RuntimeError(f"a simulator worker failed:\n{rest[0]}")

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replicas.models.build import WEIGHTS_DIR
+from replicas.models import WEIGHTS_DIR
 from replicas.wcs.config import RUNNER_ENV, WORKER_CLS, WCSConfig
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from scipy.optimize import nnls
 
 
 class PiecewiseLinear(BaseModel):
@@ -155,6 +154,8 @@ class StepCostModel(BaseModel):
         blocks = [ax.basis(c) for ax, c in zip(axes, cols)]
         drafts = (cols[1] > 0).astype(np.float64)
         design = np.column_stack([np.ones(len(y)), drafts, drafts * cols[0]] + blocks)
+        from scipy.optimize import nnls  # (here: scipy.optimize takes most of a second to import, and only fits need it)
+
         weights, _ = nnls(design, y)
         fitted, offset = [], 3
         for ax, block in zip(axes, blocks):

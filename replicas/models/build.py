@@ -48,7 +48,7 @@ from replicas.models.spec import BuildSpec, TrainSpec
 from replicas.models.target import TargetTrainer, decay_start, held_out_perplexity, new_target
 from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, tokenizer_training_texts, train_tokenizer
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
+from replicas.models import WEIGHTS_DIR  # noqa: E402,F401 (where the build writes and callers find the pair)
 PHASES = ("target", "continuations", "drafter", "evaluation")
 
 

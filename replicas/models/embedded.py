@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from replicas.models.build import WEIGHTS_DIR
+from replicas.models import WEIGHTS_DIR
 from replicas.models.dflash import DFlashDrafter, target_features
 from replicas.models.tokenizer import MASK, load_hf_tokenizer
 

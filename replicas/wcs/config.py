@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.models.build import WEIGHTS_DIR
+from replicas.models import WEIGHTS_DIR
 from scheduling.policies import PolicyName
 
 CONFIG_KEY = "forespark"  # key under vLLM's `additional_config`

@@ -13,11 +13,14 @@ same rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from scheduling.traces import AcceptanceHistory, PreDraftInputs, Traces
+
+if TYPE_CHECKING:  # torch only where the engine computes features: the controller and the simulator run without it
+    import torch
 
 PROJECTIONS = 4
 FEATURE_NAMES = ("hidden_norm", "entropy", "max_prob", "log_position") + tuple(
@@ -27,6 +30,8 @@ FEATURE_NAMES = ("hidden_norm", "entropy", "max_prob", "log_position") + tuple(
 
 def distribution_stats(logits: torch.Tensor) -> torch.Tensor:
     """(rows, 2): entropy and max probability of each row's softmax."""
+    import torch
+
     logp = torch.log_softmax(logits.float(), dim=-1)
     # A dot product per row and a max without indices: the elementwise product and `max(-1)` cost more on CPU.
     return torch.stack([-torch.linalg.vecdot(logp.exp(), logp), logp.amax(-1).exp()], dim=1)
@@ -34,11 +39,15 @@ def distribution_stats(logits: torch.Tensor) -> torch.Tensor:
 
 class FeatureExtractor:
     def __init__(self, hidden_size: int, seed: int = 0) -> None:
+        import torch
+
         gen = torch.Generator().manual_seed(seed)
         self.projection = torch.randn(hidden_size, PROJECTIONS, generator=gen) / hidden_size**0.5
 
     def __call__(self, hidden: torch.Tensor, stats: torch.Tensor, generated: np.ndarray) -> np.ndarray:
         """(B, F) from the target hidden state (B, H) and distribution stats (B, 2) at each request's newest token."""
+        import torch
+
         h = hidden.float().cpu()
         norm = h.norm(dim=-1)
         proj = (h / norm[:, None].clamp_min(1e-6)) @ self.projection

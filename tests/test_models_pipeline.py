@@ -17,6 +17,7 @@ from replicas.models.data import TokenStreams
 from replicas.models.distill import (
     DrafterTrainer,
     continuation_batches,
+    continuation_is_code,
     continuation_plan,
     distill_loss,
     drafter_lr_factor,
@@ -313,6 +314,45 @@ def test_drafter_batches_mix_training_text_in_at_the_configured_share():
         DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, 1)
 
 
+def test_a_drafter_cycle_draws_its_batches_at_its_own_code_share():
+    """`drafter_cycle_code_shares`: a cycle at share 1 (or 0) draws only code (or prose) continuations and training
+    text; a null cycle draws as every build did."""
+    target = new_target(TINY_TARGET, 0, 0).eval()
+    train = TrainSpec.model_validate({**TINY_TRAIN.model_dump(), "drafter_steps": 10, "drafter_restarts": [5],
+                                      "drafter_batch": 4, "drafter_corpus_share": 0.5,
+                                      "drafter_cycle_code_shares": [None, 1.0]})
+    is_code = continuation_is_code(train)
+    assert 0 < is_code.sum() < len(is_code)
+    seqs = torch.arange(len(is_code))[:, None].repeat(1, 20)  # row i is all i: its domain is is_code[i]
+    streams, text_shares = random_streams(), []
+    windows = streams.mixed_windows
+    streams.mixed_windows = lambda n, count, share, rng: text_shares.append(share) or windows(n, count, share, rng)
+
+    def drawn(trainer: DrafterTrainer, step: int, batches: int = 12) -> set[bool]:
+        trainer.step = step
+        return {bool(is_code[int(r[0])]) for _ in range(batches) for r in trainer.batch()[0][:2]}
+
+    trainer = DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, 1, streams)
+    assert drawn(trainer, 5) == {True} and text_shares[-1] == 1.0
+    assert drawn(trainer, 0) == {True, False} and text_shares[-1] == train.distill_code_share  # control: the null cycle
+    prose = train.model_copy(update={"drafter_cycle_code_shares": [None, 0.0]})
+    assert drawn(DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, prose, 1, streams), 5) == {False}
+    with pytest.raises(ValueError, match="one share"):
+        TrainSpec(drafter_steps=10, drafter_restarts=[5], drafter_cycle_code_shares=[1.0])
+
+
+def test_a_finished_drafter_continues_into_a_cycle_with_its_own_code_share():
+    saved = BuildSpec(train=TrainSpec(drafter_steps=100, drafter_restarts=[40]))
+    state = {"spec": saved.model_dump(mode="json"), "phase": "evaluation"}
+
+    def longer(shares):
+        return BuildSpec(train=TrainSpec(drafter_steps=150, drafter_restarts=[40, 100], drafter_cycle_code_shares=shares))
+
+    build_mod.check_resumable(state, longer([None, None, 0.9]))
+    with pytest.raises(ValueError, match="drafter_cycle_code_shares"):  # the saved cycles drew otherwise
+        build_mod.check_resumable(state, longer([0.9, None, 0.9]))
+
+
 def test_drafter_settings_change_only_before_the_drafter_phase():
     spec = BuildSpec()
     new = spec.model_copy(update={
@@ -394,6 +434,11 @@ def test_sampled_continuations_shape_mix_and_determinism():
     half = int(round(8 * train.distill_code_share))
     want = np.concatenate([streams.windows("code", "train", 8, half, rng), streams.windows("prose", "train", 8, 8 - half, rng)])
     assert np.array_equal(p0, want) and not s0.any()
+    # Which prompts are code, in the sampled plan's order (`continuation_is_code`).
+    code_windows = {tuple(w) for w in want[:half]}
+    is_code = continuation_is_code(train)
+    assert [tuple(p) in code_windows for p in prompts] == is_code.tolist()
+    assert not np.array_equal(is_code, np.arange(8) < half)  # control: the plan reordered them
 
 
 # --- the whole build, interrupted in every phase --------------------------------------------------

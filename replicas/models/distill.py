@@ -31,20 +31,34 @@ def continuation_plan(streams: TokenStreams, train: TrainSpec) -> tuple[np.ndarr
     """(prompts [n, prompt_len], sampled [n] bool): the training prompts, greedy ones first, and which
     of them the target continues by sampling. Without sampling this is the shipped build's plan."""
     rng = np.random.default_rng(train.seed + 1)
-    half = int(round(train.distill_prompts * train.distill_code_share))
+    half = _code_prompts(train)
     prompts = np.concatenate(
         [
             streams.windows("code", "train", train.distill_prompt_len, half, rng),
             streams.windows("prose", "train", train.distill_prompt_len, train.distill_prompts - half, rng),
         ]
     )
-    n_sampled = int(round(len(prompts) * train.distill_sampled_share))
-    sampled = np.zeros(len(prompts), dtype=bool)
+    return _greedy_first(prompts, train)
+
+
+def continuation_is_code(train: TrainSpec) -> np.ndarray:
+    """(n,) bool: which of `continuation_plan`'s prompts, in its order, are code."""
+    return _greedy_first(np.arange(train.distill_prompts) < _code_prompts(train), train)[0]
+
+
+def _code_prompts(train: TrainSpec) -> int:
+    return int(round(train.distill_prompts * train.distill_code_share))
+
+
+def _greedy_first(rows: np.ndarray, train: TrainSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(rows reordered, sampled): `distill_sampled_share` of the rows, drawn at random, move to the end, to be sampled."""
+    n_sampled = int(round(len(rows) * train.distill_sampled_share))
+    sampled = np.zeros(len(rows), dtype=bool)
     if n_sampled:
-        sampled[np.random.default_rng(train.seed + 6).permutation(len(prompts))[:n_sampled]] = True
-        prompts = np.concatenate([prompts[~sampled], prompts[sampled]])
-        sampled = np.arange(len(prompts)) >= len(prompts) - n_sampled
-    return prompts, sampled
+        sampled[np.random.default_rng(train.seed + 6).permutation(len(rows))[:n_sampled]] = True
+        rows = np.concatenate([rows[~sampled], rows[sampled]])
+        sampled = np.arange(len(rows)) >= len(rows) - n_sampled
+    return rows, sampled
 
 
 def continuation_batches(prompts: np.ndarray, sampled: np.ndarray, batch: int) -> list[tuple[int, int, bool]]:
@@ -132,6 +146,10 @@ class DrafterTrainer:
         t = sequences.shape[1]
         self.lo, self.hi = train.distill_prompt_len - 1, t - spec.block - 1
         self.offsets = torch.arange(1, spec.block + 1)
+        is_code = continuation_is_code(train)
+        self.by_domain = (np.flatnonzero(is_code), np.flatnonzero(~is_code)) if len(is_code) == len(sequences) else None
+        if any(s is not None for s in train.drafter_cycle_code_shares) and self.by_domain is None:
+            raise ValueError("train.drafter_cycle_code_shares needs the continuations of this spec's plan")
         self.step = 0
         self.losses: list[float] = []
         drafter.train()
@@ -145,14 +163,24 @@ class DrafterTrainer:
         train = self.train
         n_text = int(round(train.drafter_batch * train.drafter_corpus_share))
         n_cont = train.drafter_batch - n_text
-        rows = torch.from_numpy(self.rng.integers(0, len(self.sequences), n_cont))
+        share = train.drafter_code_share(drafter_cycle(train, self.step)[0])
+        rows = torch.from_numpy(self._rows(n_cont, share))
         anchors = self.rng.integers(self.lo, self.hi + 1, (n_cont, train.drafter_anchors))
         if not n_text:
             return self.sequences[rows], torch.from_numpy(anchors)
-        text = torch.from_numpy(self.streams.mixed_windows(self.sequences.shape[1], n_text, train.distill_code_share, self.rng))
+        text_share = train.distill_code_share if share is None else share
+        text = torch.from_numpy(self.streams.mixed_windows(self.sequences.shape[1], n_text, text_share, self.rng))
         lo = min(train.drafter_corpus_min_context, self.hi)
         text_anchors = self.rng.integers(lo, self.hi + 1, (n_text, train.drafter_anchors))
         return torch.cat([self.sequences[rows], text]), torch.from_numpy(np.concatenate([anchors, text_anchors]))
+
+    def _rows(self, n: int, code_share: float | None) -> np.ndarray:
+        """`n` continuations: uniformly, or that share of them code (`drafter_cycle_code_shares`)."""
+        if code_share is None:
+            return self.rng.integers(0, len(self.sequences), n)
+        code, prose = self.by_domain
+        n_code = int(self.rng.binomial(n, code_share)) if len(code) and len(prose) else (n if len(code) else 0)
+        return np.concatenate([self.rng.choice(code, n_code), self.rng.choice(prose, n - n_code)])
 
     def restart(self) -> None:
         """A warm restart: AdamW's moments and the data order start afresh (a continued run matches a fresh one)."""

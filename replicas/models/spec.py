@@ -113,12 +113,27 @@ class TrainSpec(BaseModel):
         "drafter_steps"
     )
 
+    drafter_cycle_code_shares: list[float | None] = Field(
+        default_factory=list, description="per cycle of the drafter's schedule (`drafter_restarts` plus one), the share of "
+        "code in its batches, continuations and training text alike (a later cycle with more code specialises the "
+        "drafter, as a code assistant's is); null: continuations drawn as they come and text at distill_code_share; "
+        "empty: null for every cycle"
+    )
+
     @model_validator(mode="after")
     def _restarts_inside_the_run(self) -> "TrainSpec":
         r = self.drafter_restarts
         if r != sorted(set(r)) or any(not 0 < x < self.drafter_steps for x in r):
             raise ValueError("train.drafter_restarts must be increasing steps strictly between 0 and drafter_steps")
+        shares = self.drafter_cycle_code_shares
+        if shares and (len(shares) != len(r) + 1 or any(x is not None and not 0.0 <= x <= 1.0 for x in shares)):
+            raise ValueError("train.drafter_cycle_code_shares needs one share in [0, 1] (or null) per drafter cycle: "
+                             f"{len(r) + 1} here")
         return self
+
+    def drafter_code_share(self, cycle: int) -> float | None:
+        """Cycle `cycle`'s `drafter_cycle_code_shares` entry (None: as the drafter's batches always came)."""
+        return self.drafter_cycle_code_shares[cycle] if self.drafter_cycle_code_shares else None
 
 
 class BuildSpec(BaseModel):

@@ -27,6 +27,17 @@ def test_bench_planner_writes_table_and_json(tmp_path):
         assert 0 <= r["mean_verified"] <= r["mean_drafted"] <= r["k"]
 
 
+def test_simulate_bench_writes_its_contract_with_the_engines_in_workers(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run("simulate", "bench", "--replicas", "8", "--rate", "200", "--duration", "1", "--drain", "2", "--workers", "2",
+               "--json", str(out))
+    assert "simulated requests per wall second" in proc.stdout
+    data = json.loads(out.read_text())
+    assert {"replicas", "rate", "sim_seconds", "wall_s", "requests", "sim_requests_per_wall_s"} <= set(data)
+    assert data["simulated"] is True and data["replicas"] == 8 and data["workers"] == 2 and data["requests"] > 100
+    assert data["steps"] > 0 and 0 < data["planner_ms_per_step"] < data["wall_ms_per_step"]
+
+
 def test_demo_says_it_is_offline():
     proc = run("demo", "--batches", "8", "--steps", "5")
     assert "OFFLINE PLANNER DEMO" in proc.stdout and "no server is started" in proc.stdout

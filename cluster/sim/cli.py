@@ -229,10 +229,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     steps = sum(e.steps for e in sim.engines)
     out = {"simulated": True, "profile": fleet.profile, "replicas": fleet.replicas, "rate": load.rate,
-           "sim_seconds": load.duration_s, "wall_s": wall, "requests": len(rows), "steps": steps,
-           "sim_requests_per_wall_s": len(rows) / wall, "wall_ms_per_step": 1e3 * wall / max(steps, 1)}
-    print(f"{len(rows)} requests, {steps} engine steps in {wall:.1f} s wall: {out['sim_requests_per_wall_s']:.0f} "
-          f"simulated requests per wall second, {out['wall_ms_per_step']:.3f} ms per engine step")
+           "sim_seconds": load.duration_s, "workers": fleet.workers, "wall_s": wall, "requests": len(rows), "steps": steps,
+           "sim_requests_per_wall_s": len(rows) / wall, "wall_ms_per_step": 1e3 * wall / max(steps, 1),
+           "planner_ms_per_step": 1e3 * sum(e.plan_s for e in sim.engines) / max(steps, 1)}
+    print(f"{len(rows)} requests, {steps} engine steps in {wall:.1f} s wall ({fleet.workers} workers): "
+          f"{out['sim_requests_per_wall_s']:.0f} simulated requests per wall second, {out['wall_ms_per_step']:.3f} ms per "
+          f"engine step, {out['planner_ms_per_step']:.3f} ms of it in the planner")
     _write(args.json, out)
     return 0
 

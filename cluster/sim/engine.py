@@ -19,6 +19,7 @@ The controller prices steps with its own cost model (the profile, corrected onli
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -95,6 +96,7 @@ class SimEngine:
         self.decode_s = 0.0  # realised decoding, as vLLM's stat logger totals it (`LatestSchedulerStats`)
         self.decode_tokens = 0
         self.steps = 0
+        self.plan_s = 0.0  # wall time in the controller's plan() calls (what `simulate bench` reports per step)
         self.emitted = 0  # tokens emitted so far
         self.outputs = 0  # output events so far: a request's tokens of one step, streamed as one message
         self._stats_before: tuple[dict, tuple[float, int]] | None = None
@@ -190,6 +192,7 @@ class SimEngine:
         prefilling = np.array([r.prefilling for r in batch])
         max_width = np.where(prefilling, 0, np.clip(np.array([r.max_tokens for r in batch]) - generated - 1, 0, k))
         draw = None
+        planning = time.perf_counter()
         if not ctl.needs_drafter():
             draft = ctl.plan(ids, None, max_width, generated=generated)
         elif ctl.holds_no_drafts():
@@ -198,6 +201,7 @@ class SimEngine:
             draw = self.acceptance.step([r.domain for r in batch], np.array([r.offset for r in batch]), generated,
                                         np.array([r.key for r in batch]))
             draft = ctl.plan(ids, draw.features, max_width, generated=generated, context_rows=self.pending_rows)
+        self.plan_s += time.perf_counter() - planning
         drafted = int(np.sum(draft))
         target = sum(tokens.values())
         context_rows = context_ms = 0

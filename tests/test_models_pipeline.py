@@ -12,6 +12,7 @@ import torch
 
 from replicas.models import build as build_mod
 from replicas.models import checkpoint as ckpt
+from replicas.models import distill as distill_mod
 from replicas.models.corpus import Corpus, VersionMismatch, is_held_out, load_corpus
 from replicas.models.data import TokenStreams
 from replicas.models.distill import (
@@ -351,6 +352,30 @@ def test_a_finished_drafter_continues_into_a_cycle_with_its_own_code_share():
     build_mod.check_resumable(state, longer([None, None, 0.9]))
     with pytest.raises(ValueError, match="drafter_cycle_code_shares"):  # the saved cycles drew otherwise
         build_mod.check_resumable(state, longer([0.9, None, 0.9]))
+
+    def weighted(weights):
+        return BuildSpec(train=TrainSpec(drafter_steps=150, drafter_restarts=[40, 100], drafter_cycle_kl_weights=weights))
+
+    build_mod.check_resumable(state, weighted([None, 0.5, 2.0]))  # 0.5 is kl_weight: the saved cycles' own
+    with pytest.raises(ValueError, match="drafter_cycle_kl_weights"):  # a trained cycle's weight changed
+        build_mod.check_resumable(state, weighted([None, 1.0, 2.0]))
+
+
+def test_a_drafter_cycle_weighs_kl_at_its_own_weight(monkeypatch):
+    """`drafter_cycle_kl_weights`: each step's loss gets its cycle's KL weight; a null cycle gets kl_weight."""
+    target = new_target(TINY_TARGET, 0, 0).eval()
+    train = TrainSpec.model_validate({**TINY_TRAIN.model_dump(), "drafter_steps": 4, "drafter_restarts": [2],
+                                      "kl_weight": 0.25, "drafter_cycle_kl_weights": [None, 3.0]})
+    seqs = torch.randint(2, 32, (6, train.distill_prompt_len + TINY_DRAFTER.block + 4))
+    used: list[float] = []
+    loss = distill_mod.distill_loss
+    monkeypatch.setattr(distill_mod, "distill_loss", lambda *a, **k: used.append(a[8]) or loss(*a, **k))
+    trainer = DrafterTrainer(DFlashDrafter(TINY_DRAFTER, 32), target, seqs, TINY_DRAFTER, train, 1)
+    while not trainer.done:
+        trainer.run_step()
+    assert used == [0.25, 0.25, 3.0, 3.0]
+    with pytest.raises(ValueError, match="one weight"):
+        TrainSpec(drafter_steps=10, drafter_restarts=[5], drafter_cycle_kl_weights=[1.0])
 
 
 def test_drafter_settings_change_only_before_the_drafter_phase():

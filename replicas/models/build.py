@@ -153,10 +153,12 @@ def _drafter_extended(saved: TrainSpec, new: TrainSpec, changed: list[str]) -> b
     """The new drafter schedule continues the saved one: every step the saved run could have taken has the same
     learning rate and data under both (the saved end becomes a warm restart)."""
     cycles = len(saved.drafter_restarts) + 1
-    return (set(changed) <= {"train.drafter_steps", "train.drafter_restarts", "train.drafter_cycle_code_shares"}
+    per_cycle = (TrainSpec.drafter_code_share, TrainSpec.drafter_kl_weight)
+    return (set(changed) <= {"train.drafter_steps", "train.drafter_restarts", "train.drafter_cycle_code_shares",
+                             "train.drafter_cycle_kl_weights"}
             and new.drafter_steps > saved.drafter_steps and saved.drafter_steps in new.drafter_restarts
             and new.drafter_restarts[:len(saved.drafter_restarts)] == saved.drafter_restarts
-            and [new.drafter_code_share(i) for i in range(cycles)] == [saved.drafter_code_share(i) for i in range(cycles)])
+            and all(setting(new, i) == setting(saved, i) for setting in per_cycle for i in range(cycles)))
 
 
 def check_resumable(state: dict, spec: BuildSpec) -> None:

@@ -197,7 +197,8 @@ class DrafterTrainer:
             with torch.no_grad():
                 teacher_logits, aux = target_features(self.target, seqs, spec.target_layer_ids)
             loss = distill_loss(
-                self.drafter, seqs, teacher_logits.float(), aux, anchors, self.embed, spec, self.mask_token_id, train.kl_weight,
+                self.drafter, seqs, teacher_logits.float(), aux, anchors, self.embed, spec, self.mask_token_id,
+                train.drafter_kl_weight(drafter_cycle(train, self.step)[0]),
                 labels=train.drafter_labels, position_decay=train.drafter_position_decay,
             )
         self.losses.append(self.opt.step(loss))

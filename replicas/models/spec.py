@@ -119,6 +119,11 @@ class TrainSpec(BaseModel):
         "drafter, as a code assistant's is); null: continuations drawn as they come and text at distill_code_share; "
         "empty: null for every cycle"
     )
+    drafter_cycle_kl_weights: list[float | None] = Field(
+        default_factory=list, description="per drafter cycle, the weight of KL(target || drafter) in its loss (a later "
+        "cycle with more weight moves the drafter from the target's argmax towards its whole distribution, which is what "
+        "sampled verification accepts); null: kl_weight; empty: kl_weight for every cycle"
+    )
 
     @model_validator(mode="after")
     def _restarts_inside_the_run(self) -> "TrainSpec":
@@ -129,11 +134,20 @@ class TrainSpec(BaseModel):
         if shares and (len(shares) != len(r) + 1 or any(x is not None and not 0.0 <= x <= 1.0 for x in shares)):
             raise ValueError("train.drafter_cycle_code_shares needs one share in [0, 1] (or null) per drafter cycle: "
                              f"{len(r) + 1} here")
+        weights = self.drafter_cycle_kl_weights
+        if weights and (len(weights) != len(r) + 1 or any(x is not None and x < 0.0 for x in weights)):
+            raise ValueError("train.drafter_cycle_kl_weights needs one weight >= 0 (or null) per drafter cycle: "
+                             f"{len(r) + 1} here")
         return self
 
     def drafter_code_share(self, cycle: int) -> float | None:
         """Cycle `cycle`'s `drafter_cycle_code_shares` entry (None: as the drafter's batches always came)."""
         return self.drafter_cycle_code_shares[cycle] if self.drafter_cycle_code_shares else None
+
+    def drafter_kl_weight(self, cycle: int) -> float:
+        """Cycle `cycle`'s KL weight: its `drafter_cycle_kl_weights` entry, else `kl_weight`."""
+        weight = self.drafter_cycle_kl_weights[cycle] if self.drafter_cycle_kl_weights else None
+        return self.kl_weight if weight is None else weight
 
 
 class BuildSpec(BaseModel):

@@ -100,6 +100,7 @@ class DomainBench(BaseModel):
 class ModelsBench(BaseModel):
     block: int
     temperature: float = 0.0
+    draft_sample_method: str = "greedy"  # vLLM's: the drafter's argmax, or sampled drafts with their probabilities
     prompts_per_domain: int
     domains: dict[str, DomainBench]
     width_robustness: dict[str, dict[str, float]]  # domain -> w -> anchored relative gap to the truncated full block
@@ -186,6 +187,7 @@ def run_models_bench(
     return ModelsBench(
         block=block,
         temperature=temperature,
+        draft_sample_method=(engine.drafter or DrafterConfig()).draft_sample_method,
         prompts_per_domain=prompts_per_domain,
         domains=domains,
         width_robustness=robustness,
@@ -207,7 +209,8 @@ def format_models_bench(result: ModelsBench) -> str:
                 f"{d:>7} {w:>5} {r.mean_accepted_length:>13.2f} {trunc:>12.2f} "
                 f"{result.free_running_gap[d][w]:>6.1%} {result.width_robustness.get(d, {}).get(w, float('nan')):>13.1%}  {pos}"
             )
-    lines.append(f"domain gap at full width: {result.domain_gap:.1%} (temperature {result.temperature:g})")
+    lines.append(f"domain gap at full width: {result.domain_gap:.1%} (temperature {result.temperature:g}, "
+                 f"{result.draft_sample_method} drafts)")
     loops = {d: b.repeated_4gram_share for d, b in result.domains.items() if b.repeated_4gram_share is not None}
     if loops:
         lines.append(f"repeated 4-grams in {LOOP_TOKENS}-token greedy continuations: "

@@ -554,6 +554,7 @@ def cmd_models_bench(args: argparse.Namespace) -> int:
         engine.drafter = DrafterConfig(path=Path(args.weights) / "drafter")
     if args.drafter:
         engine.drafter = DrafterConfig(path=Path(args.drafter))
+    engine.drafter = engine.drafter.model_copy(update={"draft_sample_method": args.draft_sampling})
     result = run_models_bench(widths=widths, prompts_per_domain=args.prompts, engine=engine, progress=lambda msg: print(msg, flush=True),
                               temperature=args.temperature, seed=args.seed)
     print(format_models_bench(result))
@@ -817,6 +818,9 @@ def build_parser() -> argparse.ArgumentParser:
     mbench.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy; "
                         "the OpenAI API's default is 1)")
     mbench.add_argument("--seed", type=int, default=0, help="sampling seed of the first request (one per request)")
+    mbench.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
+                        help="vLLM's draft_sample_method: the drafter's argmax, or drafts sampled from it with its probabilities "
+                        "in the ratio test (what sampled acceptance needs)")
     mbench.set_defaults(func=cmd_models_bench)
     mtraces = models_sub.add_parser("traces", help="record acceptance traces through vLLM and score the estimators")
     mtraces.add_argument(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,6 +32,11 @@ class DrafterConfig(BaseModel):
     path: Path = WEIGHTS_DIR / "drafter"
     method: str = "dflash"
     num_speculative_tokens: int = Field(default=8, ge=1, description="widest draft (the drafter's block)")
+    draft_sample_method: Literal["greedy", "probabilistic"] = Field(
+        default="greedy", description="vLLM's: drafts are the drafter's argmax (sampled verification then accepts a draft "
+        "with the target's probability of it), or sampled from the drafter with its probabilities in the ratio test "
+        "(accepts the overlap of the two distributions)",
+    )
 
 
 class EngineConfig(BaseModel):
@@ -71,6 +76,10 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _wcs_has_traces(self) -> "EngineConfig":
         if self.wcs is not None and self.drafter is not None:
+            if self.drafter.draft_sample_method != "greedy":
+                # WCS's ragged proposer drafts the argmax and hands vLLM no draft probabilities.
+                raise ValueError("drafter.draft_sample_method 'probabilistic' needs wcs: null (vLLM's own speculation); "
+                                 "WCS drafts greedily")
             self.wcs.check_pair(self.model, self.drafter.path)  # an error naming `forespark calibrate`, at config load
         return self
 
@@ -102,6 +111,7 @@ class EngineConfig(BaseModel):
                 "method": self.drafter.method,
                 "model": str(self.drafter.path),
                 "num_speculative_tokens": self.drafter.num_speculative_tokens,
+                "draft_sample_method": self.drafter.draft_sample_method,
             }
             if self.wcs is not None:
                 kwargs["worker_cls"] = WORKER_CLS

@@ -104,6 +104,15 @@ def test_engine_kv_size_is_exactly_one_of_bytes_or_memory_share():
         EngineConfig(gpu_memory_utilization=1.5)
 
 
+def test_sampled_drafts_reach_vllm_and_need_its_own_speculation():
+    sampled = {"draft_sample_method": "probabilistic"}
+    plain = EngineConfig(wcs=None, drafter=sampled)
+    assert plain.vllm_kwargs()["speculative_config"]["draft_sample_method"] == "probabilistic"
+    assert EngineConfig(wcs=None).vllm_kwargs()["speculative_config"]["draft_sample_method"] == "greedy"  # control
+    with pytest.raises(ValueError, match="WCS drafts greedily"):
+        EngineConfig(drafter=sampled)
+
+
 def test_nvidia_smi_listing_and_detection_never_fail(monkeypatch):
     listing = (
         "GPU 0: NVIDIA H200 (UUID: GPU-0a1b2c3d-0000-0000-0000-000000000000)\n"

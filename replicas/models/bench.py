@@ -7,6 +7,10 @@ own speculative-decoding counters: per-position acceptance (the share of
 drafts whose first j tokens were all accepted) and mean accepted length
 (accepted drafts + the bonus token per verification step).
 
+Greedy runs also continue every prompt for `LOOP_TOKENS` tokens and report the share of
+repeated 4-grams in those continuations (`repeated_4gram_share`): a target that falls
+into loops inflates acceptance on some prompts and deflates it on others.
+
 Width robustness is judged at identical anchors: every width also drafts once
 from the same prefixes of the greedy continuations, and its accepted drafts
 are compared with the full block's truncated at w. Free-running numbers mix
@@ -25,6 +29,15 @@ from pydantic import BaseModel
 from replicas.engine import DrafterConfig, EngineConfig, make_llm
 from replicas.models.corpus import DOMAINS
 from replicas.models.workloads import load_workloads
+
+
+LOOP_TOKENS = 128
+
+
+def repeated_ngram_share(tokens: list[int], n: int = 4) -> float:
+    """Share of the n-grams of `tokens` that already occurred earlier in `tokens` (0: none repeats)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 class SpecCounters(BaseModel):
@@ -70,6 +83,8 @@ class DomainBench(BaseModel):
     # Same anchors for every width: accepted drafts of the first verification after prefill of
     # prefixes of the greedy continuations (free-running steps start at different places per width).
     anchored_accepted: dict[str, list[int]] = {}
+    # Greedy only: repeated 4-grams among all of the domain's LOOP_TOKENS-token continuations (see repeated_ngram_share).
+    repeated_4gram_share: float | None = None
 
     def anchored_gap(self, w: int, block: int) -> float:
         """Relative gap between drafting w and the full block truncated at w, at the same anchors."""
@@ -85,6 +100,7 @@ class DomainBench(BaseModel):
 class ModelsBench(BaseModel):
     block: int
     temperature: float = 0.0
+    draft_sample_method: str = "greedy"  # vLLM's: the drafter's argmax, or sampled drafts with their probabilities
     prompts_per_domain: int
     domains: dict[str, DomainBench]
     width_robustness: dict[str, dict[str, float]]  # domain -> w -> anchored relative gap to the truncated full block
@@ -111,6 +127,7 @@ def run_models_bench(
     per_domain: dict[str, dict[str, WidthResult]] = {d: {} for d in DOMAINS}
     anchored: dict[str, dict[str, list[int]]] = {d: {} for d in DOMAINS}
     prefixes: dict[str, list[list[int]]] = {}
+    loops: dict[str, float | None] = {d: None for d in DOMAINS}
     for w in widths:
         drafter = (engine.drafter or DrafterConfig()).model_copy(update={"num_speculative_tokens": w})
         config = engine.model_copy(update={"drafter": drafter})
@@ -129,6 +146,12 @@ def run_models_bench(
             )
             if temperature > 0:
                 continue
+            if loops[domain] is None:
+                long = llm.generate([p.prompt for p in prompts[domain]], SamplingParams(temperature=0.0, max_tokens=LOOP_TOKENS),
+                                    use_tqdm=False)
+                grams = [repeated_ngram_share(list(o.outputs[0].token_ids)) for o in long]
+                counts = [max(len(o.outputs[0].token_ids) - 3, 0) for o in long]
+                loops[domain] = float(np.average(grams, weights=counts)) if sum(counts) else 0.0
             if domain not in prefixes:  # greedy: every width continues the same way
                 prefixes[domain] = [
                     list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:t]
@@ -147,7 +170,8 @@ def run_models_bench(
         if progress:
             progress(f"width {w} done")
     domains = {
-        d: DomainBench(mean_accepted_full_width=r[str(block)].mean_accepted_length, per_width=r, anchored_accepted=anchored[d])
+        d: DomainBench(mean_accepted_full_width=r[str(block)].mean_accepted_length, per_width=r, anchored_accepted=anchored[d],
+                       repeated_4gram_share=loops[d])
         for d, r in per_domain.items()
     }
     robustness = {d: {str(w): domains[d].anchored_gap(w, block) for w in widths} for d in DOMAINS} if temperature == 0 else {}
@@ -163,6 +187,7 @@ def run_models_bench(
     return ModelsBench(
         block=block,
         temperature=temperature,
+        draft_sample_method=(engine.drafter or DrafterConfig()).draft_sample_method,
         prompts_per_domain=prompts_per_domain,
         domains=domains,
         width_robustness=robustness,
@@ -184,7 +209,12 @@ def format_models_bench(result: ModelsBench) -> str:
                 f"{d:>7} {w:>5} {r.mean_accepted_length:>13.2f} {trunc:>12.2f} "
                 f"{result.free_running_gap[d][w]:>6.1%} {result.width_robustness.get(d, {}).get(w, float('nan')):>13.1%}  {pos}"
             )
-    lines.append(f"domain gap at full width: {result.domain_gap:.1%} (temperature {result.temperature:g})")
+    lines.append(f"domain gap at full width: {result.domain_gap:.1%} (temperature {result.temperature:g}, "
+                 f"{result.draft_sample_method} drafts)")
+    loops = {d: b.repeated_4gram_share for d, b in result.domains.items() if b.repeated_4gram_share is not None}
+    if loops:
+        lines.append(f"repeated 4-grams in {LOOP_TOKENS}-token greedy continuations: "
+                     + ", ".join(f"{d} {share:.1%}" for d, share in loops.items()))
     lines.append(
         "gap: free-running generation (each width starts its steps elsewhere); "
         "anchored gap: the same prefixes for every width"

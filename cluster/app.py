@@ -2,6 +2,9 @@
 
     client --HTTP--> Ingress (OpenAI app, router) --handle--> EngineReplica x N (WCS engine each)
 
+A fleet whose replica groups mix tensor-parallel sizes gets an engine deployment per size
+(`EngineReplica-tp1`, `EngineReplica-tp2`, ...), and the ingress picks one per request (`cluster/fleet_backend.py`).
+
 `AppConfig` is the whole application's configuration (what `forespark serve
 --config` and `manifests/serve-local.yaml` hold). `build_app` turns it into a
 bound Serve application; `app_builder` is the same for `serve run` /
@@ -91,17 +94,20 @@ def replica_count_options(config: ReplicaConfig) -> dict[str, Any]:
 def build_app(config: AppConfig):
     from ray import serve
 
-    rc = config.replica
-    engine = serve.deployment(EngineReplica).options(
-        name="EngineReplica",
-        **replica_count_options(rc),
-        max_ongoing_requests=rc.max_ongoing_requests,
-        max_queued_requests=rc.max_queued_requests,
-        request_router_config=config.router.request_router_config(rc.stats_period_s, config.ingress.num_replicas),
-        health_check_period_s=10,
-        health_check_timeout_s=60,
-        **engine_deployment_options(rc),
-    )
+    parts = config.replica.by_tensor_parallel()  # a deployment per tensor-parallel size (cluster/fleet_backend.py)
+    engines = [
+        serve.deployment(EngineReplica).options(
+            name="EngineReplica" if len(parts) == 1 else f"EngineReplica-tp{rc.engine.tensor_parallel_size}",
+            **replica_count_options(rc),
+            max_ongoing_requests=rc.max_ongoing_requests,
+            max_queued_requests=rc.max_queued_requests,
+            request_router_config=config.router.request_router_config(rc.stats_period_s, config.ingress.num_replicas),
+            health_check_period_s=10,
+            health_check_timeout_s=60,
+            **engine_deployment_options(rc),
+        ).bind(rc)
+        for rc in parts
+    ]
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="Ingress",
         num_replicas=config.ingress.num_replicas,
@@ -109,7 +115,7 @@ def build_app(config: AppConfig):
         ray_actor_options={"num_cpus": 0},
     )
     admission = config.router.admission if config.router.kind == "acceptance_headroom" else None
-    return ingress.bind(engine.bind(rc), config.ingress, admission)
+    return ingress.bind(engines[0] if len(engines) == 1 else engines, config.ingress, admission)
 
 
 def app_builder(args: dict[str, Any]):

@@ -1,11 +1,12 @@
 """Fleet descriptions (`manifests/fleets/*.yaml`): replica groups, each a cost profile, a count and whether it
 has a drafter. `forespark simulate ... --fleet` simulates one; `serve_config` writes it as a Serve config.
 
-In Serve a fleet is one engine deployment whose replicas take their group by rank (`EngineGroup`), so one
+In Serve a fleet is an engine deployment whose replicas take their group by rank (`EngineGroup`), so one
 router places over all of them. That holds for groups that share their resources: one GPU kind per
 deployment is not needed (each replica profiles the GPU it landed on, and the router prices it by that
-profile), but one tensor-parallel size is. A fleet that mixes tensor-parallel sizes needs a deployment per
-size, and this router does not place across deployments: `serve_config` refuses it.
+profile), but one tensor-parallel size is. A fleet that mixes tensor-parallel sizes becomes a deployment per
+size, and the ingress sends each request to the deployment whose best replica keeps the most TPOT slack
+(`cluster/fleet_backend.py`).
 
 A group without a drafter is served with `wcs.policy: ar`: it never drafts, and it keeps the step-cost
 profile the router prices it by (an engine without WCS reports none). Its drafter's weights stay loaded.
@@ -56,19 +57,17 @@ def group_name(group: ReplicaGroup, index: int) -> str:
 
 def serve_config(fleet: FleetDescription, base: dict[str, Any]) -> dict[str, Any]:
     """`base` (a Serve config of this project, e.g. `manifests/serve-gpu.yaml`) with its application's engine
-    replicas made this fleet: `replica.groups` by rank, GPUs of the profiles' tensor-parallel size. Raises
-    ValueError for a fleet one deployment cannot hold."""
+    replicas made this fleet: `replica.groups` by rank, GPUs of the profiles' tensor-parallel size (a group at
+    another size than the first overrides it, and becomes a deployment of its own). Raises ValueError for a fleet
+    one application cannot hold."""
     tps = {}
     for group in fleet.groups:
         match = PROFILE_NAME.match(group.profile)
         if match is None and group.profile != "cpu-embedded":
             raise ValueError(f"profile {group.profile!r} names no GPU and tensor-parallel size (<gpu>-<model>-tp<N>)")
         tps[group.profile] = int(match["tp"]) if match else 0
-    if len(set(tps.values())) > 1:
-        raise ValueError(
-            f"fleet {fleet.name!r} mixes tensor-parallel sizes ({', '.join(f'{p}: TP {t}' for p, t in tps.items())}): "
-            "each size needs a deployment of its own, and the router places within one deployment"
-        )
+    if 0 in tps.values() and len(set(tps.values())) > 1:
+        raise ValueError(f"fleet {fleet.name!r} mixes the CPU profile with GPU ones: one application serves one or the other")
     doc = copy.deepcopy(base)
     apps = doc.get("applications") or []
     if len(apps) != 1:
@@ -76,7 +75,7 @@ def serve_config(fleet: FleetDescription, base: dict[str, Any]) -> dict[str, Any
     replica = apps[0].setdefault("args", {}).setdefault("replica", {})
     replica.pop("autoscaling", None)  # groups are fixed by rank
     replica.pop("num_replicas", None)
-    tp = next(iter(tps.values()))
+    tp = tps[fleet.groups[0].profile]
     engine = replica.setdefault("engine", {})
     if tp:
         replica["accelerator"] = "gpu"
@@ -84,8 +83,12 @@ def serve_config(fleet: FleetDescription, base: dict[str, Any]) -> dict[str, Any
     else:
         replica["accelerator"] = "cpu"
     no_drafter = {"drafter": None} if engine.get("wcs", {}) is None else {"wcs": {"policy": "ar"}}
-    replica["groups"] = [
-        {"name": group_name(g, i), "count": g.count, **({} if g.drafter else {"engine": no_drafter})}
-        for i, g in enumerate(fleet.groups)
-    ]
+
+    def overrides(g: ReplicaGroup) -> dict[str, Any]:
+        own = {} if g.drafter else dict(no_drafter)
+        if tps[g.profile] != tp:  # another size: another deployment (`ReplicaConfig.by_tensor_parallel`)
+            own["tensor_parallel_size"] = tps[g.profile]
+        return {"engine": own} if own else {}
+
+    replica["groups"] = [{"name": group_name(g, i), "count": g.count, **overrides(g)} for i, g in enumerate(fleet.groups)]
     return doc

@@ -102,6 +102,7 @@ class HandleBackend:
 
     def __init__(self, handle, config: IngressConfig, loop: AdmissionLoop | None = None) -> None:
         self.handle = handle.options(stream=True)
+        self.deployment_name = handle.deployment_name
         self.config = config
         self.loop = loop  # admission's, shared with the router (None: admission off)
         self._metrics_url: str | None = None  # this node's Ray metrics agent, found on the first GET /metrics
@@ -245,9 +246,17 @@ class Ingress:
     """Serve deployment class (`cluster/app.py` wraps it with `serve.ingress()`): builds the app at replica start."""
 
     def __init__(self, engine, config: IngressConfig, admission: AdmissionConfig | None = None) -> None:
-        """`admission`: the router's (None when it has none)."""
-        loop = admission_loop(engine.deployment_name, admission) if admission is not None and admission.enabled else None
-        self.backend = HandleBackend(engine, config, loop)
+        """`engine`: the engine deployment's handle, or a list of them (one per tensor-parallel size:
+        `cluster/fleet_backend.py`); `admission`: the router's (None when it has none)."""
+        on = admission is not None and admission.enabled
+        backends = [HandleBackend(e, config, admission_loop(e.deployment_name, admission) if on else None)
+                    for e in (engine if isinstance(engine, list) else [engine])]
+        if len(backends) == 1:
+            self.backend = backends[0]
+        else:
+            from cluster.fleet_backend import FleetBackend
+
+            self.backend = FleetBackend(backends)
         self.config = config
 
     async def __serve_build_asgi_app__(self):

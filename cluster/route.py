@@ -22,6 +22,7 @@ class Route(NamedTuple):
     tied: int  # the first `tied` of `order` share the best slack (within `tie_ms`): the caller picks among them
     decision: Decision | None  # admission's (None: admission off); refused when `order` is empty
     correction: Corrections  # what the feedback added to admission's predictions
+    best: float  # the best replica's TPOT slack (ms; -inf when refused): how deployments compare (`cluster/fleet_backend.py`)
 
 
 def route(
@@ -53,11 +54,11 @@ def route(
             fleet, added, tokens, prompt_tokens, rates, config, waited_ms=waited_ms, slo=slo, now=now
         )
         if not decision.admit:
-            return Route(np.zeros(0, dtype=np.int64), 0, decision, correction)
+            return Route(np.zeros(0, dtype=np.int64), 0, decision, correction, -np.inf)
         slack = np.where(decision.feasible, slack, -np.inf)
     order = np.argsort(-slack, kind="stable")
     if decision is not None:
         order = order[: int(decision.feasible.sum())]  # infeasible replicas are never offered
     best = slack[order[0]]
     tied = int(np.searchsorted(-slack[order], -best + tie_ms, side="right"))
-    return Route(order, tied, decision, correction)
+    return Route(order, tied, decision, correction, float(best))

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cluster import admission as admission_module, router_metrics  # by module: Serve pickles this module by value, metric objects cannot be
+from cluster import admission as admission_module, router_metrics, router_registry  # by module: Serve pickles this module by value, metric objects cannot be
 from cluster.placement import FleetArrays
-from cluster.route import route
+from cluster.route import Route, route
 from cluster.prompt_model import PromptModel, prompt_text
 from replicas.routing_stats import RoutingStats
 
@@ -117,6 +117,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         self._ttft_correction = router_metrics.ADMISSION_CORRECTION.labels("ttft")
         self._tpot_correction = router_metrics.ADMISSION_CORRECTION.labels("tpot")
         self._tpot_slope = router_metrics.ADMISSION_CORRECTION.labels("tpot_slope")
+        router_registry.ROUTERS[self._deployment_id.name] = self
 
     def _fleet(self, candidates: list[RunningReplica]) -> _FleetView | None:
         view = self._view
@@ -140,18 +141,14 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self._fallbacks.inc()
             return [random.sample(candidates, min(2, len(candidates)))]
         loop, config = self.loop, self.admission
-        routed = route(
-            view.arrays,
-            (view.routed - view.baseline) * self.ingresses,
-            self.model.relative_acceptance(body) if body else 1.0,
+        routed = self._route(
+            view,
+            body,
             loop=loop,
             config=config,
-            prompt_tokens=self._prompt_tokens(body),
-            pending_prompt_tokens=view.prompts * self.ingresses,
             drain_rates=self.drain.rates(view.ids) if config else None,
             waited_ms=waited_ms,
             slo=admission_module.RequestSLO.model_validate(slo) if slo and config else None,
-            tie_ms=self.tie_ms,
         )
         decision, correction = routed.decision, routed.correction
         if decision is not None:
@@ -175,6 +172,24 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]
         tail = ranked[tied + self.top_ranks - 1 :]
         return [ranked[:tied], *singles, *([tail] if tail else [])]
+
+    def best_slack(self, body: dict | None) -> float | None:
+        """The TPOT slack (ms) of this deployment's best replica for `body`, as `rank` would place it now (admission
+        aside); None without fresh stats from every replica."""
+        replicas = list(self.curr_replicas.values())
+        view = self._fleet(replicas) if replicas else None
+        return None if view is None else self._route(view, body).best
+
+    def _route(self, view: _FleetView, body: dict | None, **admission: Any) -> Route:
+        return route(
+            view.arrays,
+            (view.routed - view.baseline) * self.ingresses,
+            self.model.relative_acceptance(body) if body else 1.0,
+            prompt_tokens=self._prompt_tokens(body),
+            pending_prompt_tokens=view.prompts * self.ingresses,
+            tie_ms=self.tie_ms,
+            **admission,
+        )
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -61,7 +61,8 @@ class EngineGroup(BaseModel):
     whose replicas share their resources (some without a drafter, another batch size). A replica takes its
     group by its Serve rank (0..N-1 in the order of the groups); Serve keeps ranks compact, so a replacement
     takes the rank, and the group, of the replica it replaces. Replicas that differ in resources (GPU kind,
-    tensor parallelism) need a deployment each."""
+    tensor parallelism) need a deployment each: groups at another `tensor_parallel_size` become one
+    (`ReplicaConfig.by_tensor_parallel`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -109,10 +110,24 @@ class ReplicaConfig(BaseModel):
                 raise ValueError(f"group names repeat: {names}")
             self.num_replicas = sum(g.count for g in self.groups)
             for group in self.groups:
-                if group.engine.get("tensor_parallel_size", self.engine.tensor_parallel_size) != self.engine.tensor_parallel_size:
-                    raise ValueError(f"group {group.name!r}: another tensor_parallel_size needs other resources, so a deployment of its own")
                 self.group_engine(group)  # overrides checked at load, not at a replica's start
         return self
+
+    def by_tensor_parallel(self) -> list["ReplicaConfig"]:
+        """A config per tensor-parallel size among the groups, in their order: each becomes a deployment of its own
+        (Serve gives a deployment's replicas the same resources; `cluster/app.py`). Without groups, or with one size,
+        this config alone."""
+        sizes = list(dict.fromkeys(self.group_engine(g).tensor_parallel_size for g in self.groups))
+        if len(sizes) <= 1:
+            return [self]
+        base = self.model_dump()
+        out = []
+        for tp in sizes:
+            groups = [{**g.model_dump(), "engine": {k: v for k, v in g.engine.items() if k != "tensor_parallel_size"}}
+                      for g in self.groups if self.group_engine(g).tensor_parallel_size == tp]
+            out.append(ReplicaConfig.model_validate({**base, "engine": {**base["engine"], "tensor_parallel_size": tp},
+                                                     "groups": groups}))
+        return out
 
     def group_of(self, rank: int) -> EngineGroup | None:
         """The group of the replica of this rank (None without groups; past the last, the last)."""

@@ -128,6 +128,11 @@ def engine_environment(config: EngineConfig) -> None:
     cpu_engine_environment()
     if config.wcs is not None and config.drafter is not None:
         os.environ.setdefault(RUNNER_ENV, "0")
+    if shutil.which("nvidia-smi") is None and config.tensor_parallel_size > 1:
+        # The CPU build binds each rank's threads to a NUMA node of its own unless told otherwise, and refuses
+        # a host with fewer nodes than ranks: one core per rank instead (an operator's setting is kept).
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(config.tensor_parallel_size)))
 
 
 def make_llm(config: EngineConfig):

@@ -121,6 +121,7 @@ def test_manifests_check_exits_nonzero_on_a_planted_error(tmp_path):
 
 
 def test_a_fleet_file_becomes_a_serve_config_whose_replicas_take_their_group_by_rank(tmp_path):
+    from cluster.app import build_app, engine_deployment_options
     from cluster.fleets import FleetDescription, serve_config
     from cluster.manifests import check_serve
     from cluster.sim.fleet import FleetConfig
@@ -140,11 +141,20 @@ def test_a_fleet_file_becomes_a_serve_config_whose_replicas_take_their_group_by_
     made = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "fleet", str(MANIFESTS / "fleets" / "quarter-no-drafter.yaml"),
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0 and check_file(out) == "serve", made.stderr[-2000:]
-    # Controls: a fleet of two tensor-parallel sizes needs two deployments, refused with why; a group's
-    # unknown engine key is caught by the check.
-    mixed = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "fleet", str(MANIFESTS / "fleets" / "mixed-h100-h200.yaml")],
-                           capture_output=True, text=True, timeout=300)
-    assert mixed.returncode == 1 and "mixes tensor-parallel sizes" in mixed.stderr, mixed.stderr[-2000:]
+    # A fleet of two tensor-parallel sizes: a deployment per size, each with its groups by rank and its own
+    # GPUs per replica, behind one ingress.
+    mixed = tmp_path / "mixed.yaml"
+    made = subprocess.run([sys.executable, "-m", "cluster.cli", "manifests", "fleet", str(MANIFESTS / "fleets" / "mixed-h100-h200.yaml"),
+                           "--out", str(mixed)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and check_file(mixed) == "serve", made.stderr[-2000:]
+    (mixed_config,) = check_serve(yaml.safe_load(mixed.read_text()))
+    parts = mixed_config.replica.by_tensor_parallel()
+    assert [(p.engine.tensor_parallel_size, p.num_replicas, [g.name for g in p.groups]) for p in parts] == [
+        (1, 48, ["0-h100-8b-tp1", "2-h200-8b-tp1"]), (2, 16, ["1-h100-8b-tp2", "3-h200-8b-tp2"])]
+    assert [len(engine_deployment_options(p).get("placement_group_bundles", [{}])) for p in parts] == [1, 2]
+    assert [d.name for d in _deployments(build_app(mixed_config))] == ["Ingress", "EngineReplica-tp1", "EngineReplica-tp2"]
+    assert [d.name for d in _deployments(build_app(config))] == ["Ingress", "EngineReplica"]  # control: one size, one deployment
+    # Control: a group's unknown engine key is caught by the check.
     # The CPU fleet as the application config `forespark compare --config` takes: one replica drafts, one not.
     from cluster.app import AppConfig
     from cluster.cli import main
@@ -156,6 +166,20 @@ def test_a_fleet_file_becomes_a_serve_config_whose_replicas_take_their_group_by_
     doc["applications"][0]["args"]["replica"]["groups"][1]["engine"] = {"wcs": {"polcy": "ar"}}
     with pytest.raises(ManifestError, match="polcy"):
         check_serve(doc)
+
+
+def _deployments(app) -> list:
+    """The deployments of a bound application: its own, then those bound into its arguments (as Serve builds it)."""
+    from ray.dag.py_obj_scanner import _PyObjScanner
+    from ray.serve.deployment import Application
+
+    deployment = app._bound_deployment
+    scanner = _PyObjScanner(source_type=Application)
+    try:
+        children = scanner.find_nodes((deployment.init_args, deployment.init_kwargs))
+    finally:
+        scanner.clear()
+    return [deployment, *(c._bound_deployment for c in children)]
 
 
 def test_serve_gives_each_replica_a_rank_and_so_its_group():

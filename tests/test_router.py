@@ -364,3 +364,41 @@ def test_custom_resources_and_autoscaling_reach_the_deployment_options():
     assert engine_deployment_options(tp)["placement_group_bundles"][0] == {"CPU": 1.0, "GPU": 1, "h200": 1}
     assert replica_count_options(ReplicaConfig(num_replicas=3)) == {"num_replicas": 3}
 
+
+
+def test_an_ingress_over_deployments_of_two_tensor_parallel_sizes_calls_the_one_with_more_slack():
+    """`cluster/fleet_backend.py` with the routers Serve makes for each deployment's handle (here over stand-in
+    replicas, as above): each request goes to the deployment whose best replica keeps the most TPOT slack."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from cluster import router_registry
+    from cluster.fleet_backend import FleetBackend
+    from cluster.router import AcceptanceHeadroomRouter
+
+    def deployment(name: str, loads: list[int], fresh: bool = True):
+        dep = DeploymentID(name=name, app_name="t")
+        router = AcceptanceHeadroomRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(tie_ms=0.5)
+        router.update_replicas([BenchReplica(ReplicaID(unique_id=f"{name}-{i}", deployment_id=dep),
+                                             stats(n).model_dump() if fresh else {}) for i, n in enumerate(loads)])
+        return SimpleNamespace(deployment_name=name), router
+
+    async def go():
+        (tp1, r1), (tp2, r2) = deployment("mixed-tp1", [40, 30, 50]), deployment("mixed-tp2", [10, 45])
+        backend = FleetBackend([tp1, tp2], seed=0)
+        body = {"prompt": "def f(x):"}
+        assert r2.best_slack(body) > r1.best_slack(body)
+        assert backend.choose(body) is tp2
+        r2.update_replicas([BenchReplica(r.replica_id, stats(60).model_dump()) for r in r2.curr_replicas.values()])
+        assert backend.choose(body) is tp1  # control: loaded, it loses the request
+        # A deployment whose router Serve has not made yet gets the request (its first makes it); one without stats
+        # yet shares the traffic by replica count.
+        router_registry.ROUTERS.pop("mixed-tp2")
+        assert backend.choose(body) is tp2
+        (cold, _) = deployment("mixed-cold", [5, 5, 5], fresh=False)
+        picks = [FleetBackend([tp1, cold], seed=s).choose(body) for s in range(60)]
+        assert 15 < picks.count(cold) < 45
+
+    asyncio.run(go())

@@ -76,10 +76,6 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _wcs_has_traces(self) -> "EngineConfig":
         if self.wcs is not None and self.drafter is not None:
-            if self.drafter.draft_sample_method != "greedy":
-                # WCS's ragged proposer drafts the argmax and hands vLLM no draft probabilities.
-                raise ValueError("drafter.draft_sample_method 'probabilistic' needs wcs: null (vLLM's own speculation); "
-                                 "WCS drafts greedily")
             self.wcs.check_pair(self.model, self.drafter.path)  # an error naming `forespark calibrate`, at config load
         return self
 

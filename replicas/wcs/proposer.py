@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
 
 
 # A request that goes this many steps without drafting drops its deferred context and drafts no more:
@@ -173,20 +174,33 @@ class RaggedDFlashProposer(DFlashProposer):
         sample_rows = torch.where(self.valid, first + 1 + j[None, :], first).flatten().to(torch.int32)
         return n, sample_rows.to(self.input_ids.device), cad
 
-    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata) -> tuple[torch.Tensor, None]:
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafted positions' tokens, -1 elsewhere: the drafter's argmax, or under vLLM's
+        `draft_sample_method: probabilistic` (sampled requests) a sample from the drafter with its
+        probabilities (zero rows elsewhere), which vLLM's ratio test then uses."""
         if self.use_local_argmax_reduction or self.use_heterogeneous_vocab:
             raise RuntimeError("ragged drafting supports the plain LM head only")
         k = self.num_speculative_tokens
         batch = hidden_states.shape[0] // k
         valid = self.valid if self.valid is not None else torch.ones(batch, k, dtype=torch.bool)
         flat = valid.flatten().to(hidden_states.device)
-        logits = self.model.compute_logits(hidden_states[flat])
+        logits = self.model.compute_logits(hidden_states[flat]).float()
         ids = torch.full((batch * k,), -1, dtype=torch.int64, device=hidden_states.device)
         conf = torch.zeros(batch * k, dtype=torch.float32, device=hidden_states.device)
+        probs = None
         if logits.shape[0]:
-            top = logits.float().softmax(-1).max(-1)
-            ids[flat] = top.indices
+            top = logits.softmax(-1).max(-1)
+            # The drafter's own distribution, never a sampled draft: a verify length chosen from it stays
+            # lossless when drafts are sampled (docs/design/wcs-in-vllm.md).
             conf[flat] = top.values
+            ids[flat] = top.indices
+            if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
+                rows = valid.nonzero()[:, 0].to(sampling_metadata.temperature.device)  # each drafted row's request
+                meta = dataclasses.replace(sampling_metadata, temperature=sampling_metadata.temperature[rows])
+                sampled, row_probs = compute_probs_and_sample_next_token(logits, meta, self.use_fp64_gumbel)
+                ids[flat] = sampled
+                probs = torch.zeros(batch * k, logits.shape[-1], dtype=row_probs.dtype, device=hidden_states.device)
+                probs[flat] = row_probs
         self.confidence = conf.view(batch, k).cpu()
-        # Greedy drafts (probability one on the drafted token): rejection sampling stays exact.
-        return ids, None
+        # Argmax drafts have probability one on the drafted token: rejection sampling stays exact.
+        return ids, probs

@@ -1,0 +1,82 @@
+"""WCS with drafts sampled from the drafter (vLLM's `draft_sample_method: probabilistic`) in the real vLLM CPU
+engine: the drafter's probabilities reach vLLM's ratio test row for row, through ragged widths and cut
+verify lengths, and the output distribution stays the target's.
+
+The same sampled workload and two-sample test as `test_wcs_engine.py`. Its planted lossy verifier is no
+control here: verification that treats a draft as one-hot is exact whatever proposed the draft. What sampled
+drafts add is the drafter's probabilities, so the control hands the ratio test other ones.
+"""
+
+import pytest
+import torch
+
+from replicas.engine import cpu_engine_environment, model_runner
+from replicas.models.build import WEIGHTS_DIR
+from replicas.models.workloads import load_workloads
+from tests.test_wcs_engine import ALPHA, DRAFTING_PAYS, VERIFYING_IS_CHEAP, homogeneity_pvalue, sampled_continuations
+
+cpu_engine_environment()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(WEIGHTS_DIR / "target"),
+        dtype="float32",
+        speculative_config={"method": "dflash", "model": str(WEIGHTS_DIR / "drafter"), "num_speculative_tokens": 8,
+                            "draft_sample_method": "probabilistic"},
+        worker_cls="replicas.wcs.worker.WCSWorker",
+        additional_config={"forespark": {"policy": "wcs"}},
+        async_scheduling=False,
+        max_num_seqs=64,
+        kv_cache_memory_bytes=256 << 20,
+        enforce_eager=True,
+    )
+    engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+    engine.collective_rpc("wcs_set_online_cost", args=(False,))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def ar_samples(llm):
+    llm.collective_rpc("wcs_set_cost_model", args=(VERIFYING_IS_CHEAP.model_dump_json(),))
+    yield sampled_continuations(llm, "ar")[0]
+    llm.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
+
+
+def drafter_probs(llm, monkeypatch, change) -> None:
+    """Pass the drafter's probabilities ([B, K, V], or None) through `change` on their way to the ratio test."""
+    drafter = model_runner(llm).drafter
+    take = drafter.take_last_draft_probs
+    monkeypatch.setattr(drafter, "take_last_draft_probs", lambda: (lambda p: None if p is None else change(p))(take()))
+
+
+@pytest.mark.parametrize("policy", ["static", "wcs"])
+def test_sampled_drafts_keep_the_target_distribution(llm, ar_samples, policy):
+    from vllm import SamplingParams
+
+    # Greedy steps first, as in test_wcs_engine.py: from its fitted beliefs alone wcs would hardly draft for
+    # this pair's sampled requests, and a test over steps that never draft would prove nothing.
+    llm.collective_rpc("wcs_set_policy", args=(policy,))
+    llm.generate([p.prompt for p in load_workloads()["code"][:16]], SamplingParams(temperature=0.0, max_tokens=64),
+                 use_tqdm=False)
+    samples, st = sampled_continuations(llm, policy)
+    assert st.verified > 2000 and st.accepted > 300  # verification really decided tokens 2 and 3
+    assert homogeneity_pvalue(samples, ar_samples) > ALPHA
+
+
+def test_the_drafters_probabilities_reach_the_ratio_test(llm, ar_samples, monkeypatch):
+    _, with_probs = sampled_continuations(llm, "static")
+    drafter_probs(llm, monkeypatch, lambda p: None)  # vLLM then reads each sampled draft as certain
+    _, without = sampled_continuations(llm, "static")
+    assert with_probs.accepted / with_probs.verified > without.accepted / without.verified
+
+
+def test_probabilities_other_than_the_drafters_are_caught(llm, ar_samples, monkeypatch):
+    """Negative control, same sample size: each sampled draft judged against uniform probabilities instead of
+    the distribution it was drawn from."""
+    drafter_probs(llm, monkeypatch, lambda p: torch.full_like(p, 1.0 / p.shape[-1]))
+    samples, _ = sampled_continuations(llm, "static")
+    assert homogeneity_pvalue(samples, ar_samples) < 1e-6

@@ -11,32 +11,22 @@ import pytest
 import torch
 
 from replicas.engine import cpu_engine_environment, model_runner
-from replicas.models.build import WEIGHTS_DIR
 from replicas.models.workloads import load_workloads
-from tests.test_wcs_engine import ALPHA, DRAFTING_PAYS, VERIFYING_IS_CHEAP, homogeneity_pvalue, sampled_continuations
+from tests.test_wcs_engine import (
+    ALPHA,
+    DRAFTING_PAYS,
+    VERIFYING_IS_CHEAP,
+    homogeneity_pvalue,
+    readme_engine,
+    sampled_continuations,
+)
 
 cpu_engine_environment()
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(WEIGHTS_DIR / "target"),
-        dtype="float32",
-        speculative_config={"method": "dflash", "model": str(WEIGHTS_DIR / "drafter"), "num_speculative_tokens": 8,
-                            "draft_sample_method": "probabilistic"},
-        worker_cls="replicas.wcs.worker.WCSWorker",
-        additional_config={"forespark": {"policy": "wcs"}},
-        async_scheduling=False,
-        max_num_seqs=64,
-        kv_cache_memory_bytes=256 << 20,
-        enforce_eager=True,
-    )
-    engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
-    engine.collective_rpc("wcs_set_online_cost", args=(False,))
-    return engine
+    return readme_engine(draft_sample_method="probabilistic")
 
 
 @pytest.fixture(scope="module")

@@ -27,15 +27,16 @@ DRAFTING_PAYS = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per
 ALPHA = 1e-3
 
 
-@pytest.fixture(scope="module")
-def llm():
+def readme_engine(**speculative):
+    """The README's "WCS in a vLLM engine" snippet, verbatim but for the path prefix (and `speculative`, more
+    speculative_config keys), under the DRAFTING_PAYS step costs without their online correction."""
     from vllm import LLM
 
-    # The README's "WCS in a vLLM engine" snippet, verbatim but for the path prefix.
     engine = LLM(
         model=str(WEIGHTS_DIR / "target"),
         dtype="float32",
-        speculative_config={"method": "dflash", "model": str(WEIGHTS_DIR / "drafter"), "num_speculative_tokens": 8},
+        speculative_config={"method": "dflash", "model": str(WEIGHTS_DIR / "drafter"), "num_speculative_tokens": 8,
+                            **speculative},
         worker_cls="replicas.wcs.worker.WCSWorker",
         additional_config={"forespark": {"policy": "wcs"}},
         async_scheduling=False,
@@ -46,6 +47,11 @@ def llm():
     engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
     engine.collective_rpc("wcs_set_online_cost", args=(False,))
     return engine
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return readme_engine()
 
 
 def stats(llm) -> WCSStats:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 GATE_HEADER = "x-forespark-gate-ms"
+ANSWERED_HEADER = "x-forespark-refused-by"  # "proxy" on the refusals replayed here (`forespark overload` splits their times)
 GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
 WINDOW_S = 0.1
 
@@ -41,7 +42,7 @@ class ProxyGate:
         if self._refusal is not None and time.monotonic() < self.closed_until:
             start, body = self._refusal
             self.answered += 1
-            await send(start)
+            await send({**start, "headers": [*(start.get("headers") or ()), (ANSWERED_HEADER.encode(), b"proxy")]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         await self.app(scope, receive, self._watching(send))

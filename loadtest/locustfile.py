@@ -37,12 +37,13 @@ from gevent.pool import Group
 from locust import FastHttpUser, LoadTestShape, constant_throughput, events, task
 
 from loadtest.config import CONFIG_ENV, LoadTestConfig
+from loadtest.report import ANSWERED_HEADER
 from loadtest.workload import Workload
 
 CONFIG = LoadTestConfig.model_validate_json(Path(os.environ[CONFIG_ENV]).read_text())
 CSV_FIELDS = (
     "request_id", "domain", "status", "scheduled_s", "lag_ms", "start_s", "first_token_s", "end_s", "prompt_tokens", "output_tokens",
-    "ttft_ms", "tpot_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "error",
+    "ttft_ms", "tpot_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "error", "refused_by",
 )
 _user_ids = itertools.count()
 _origin: float | None = None
@@ -154,6 +155,7 @@ class OpenAIStreamUser(FastHttpUser):
                 row["status"] = response.status_code or 0
                 if response.status_code != 200:
                     row["error"] = _error_text(response)
+                    row["refused_by"] = response.headers.get(ANSWERED_HEADER, "")
                     response.failure(f"HTTP {response.status_code}")
                 else:
                     for event in _sse_events(response):

@@ -43,6 +43,11 @@ class OverloadRow(BaseModel):
     reject_p99_ms: float | None
     errors_5xx: int
     arrival_lag_p99_ms: float | None = None
+    # Refusals answered by Serve's proxy while admission's gate is shut (cluster/proxy_gate.py), and the rest
+    # (decided in the ingress), apart: where the refusals' tail comes from.
+    refused_in_proxy_share: float | None = None
+    reject_p99_ms_proxy: float | None = None
+    reject_p99_ms_ingress: float | None = None
 
 
 class OverloadResult(BaseModel):
@@ -73,6 +78,10 @@ def off_row_from(path: Path) -> OverloadRow:
     return row
 
 
+def _p99(values: list[float]) -> float | None:
+    return float(np.percentile(values, 99)) if values else None
+
+
 def overload_row(multiple: float, rate: float, rows: list[RequestRow], report: LoadTestReport, slo: SLOConfig) -> OverloadRow:
     refused = [r for r in rows if r.status == 429]
     admitted = [r for r in rows if r.status != 429]
@@ -82,7 +91,10 @@ def overload_row(multiple: float, rate: float, rows: list[RequestRow], report: L
         goodput=report.goodput_rps,
         attainment_admitted=sum(r.meets(slo) for r in admitted) / len(admitted) if admitted else None,
         rejected_share=len(refused) / len(rows) if rows else 0.0,
-        reject_p99_ms=float(np.percentile([r.e2e_ms for r in refused], 99)) if refused else None,
+        reject_p99_ms=_p99([r.e2e_ms for r in refused]),
+        refused_in_proxy_share=sum(r.refused_by == "proxy" for r in refused) / len(refused) if refused else None,
+        reject_p99_ms_proxy=_p99([r.e2e_ms for r in refused if r.refused_by == "proxy"]),
+        reject_p99_ms_ingress=_p99([r.e2e_ms for r in refused if r.refused_by != "proxy"]),
         errors_5xx=sum(1 for r in rows if r.status >= 500),
         arrival_lag_p99_ms=report.arrival_lag_ms.p99,
     )
@@ -104,13 +116,15 @@ def format_overload(result: OverloadResult) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = [f"capacity {result.capacity:g} req/s",
-             f"{'multiple':>8} {'rate':>7} {'goodput':>8} {'attain.adm':>10} {'rejected':>8} {'rej p99 ms':>10} {'5xx':>4} {'lag p99 ms':>10}"]
+             f"{'multiple':>8} {'rate':>7} {'goodput':>8} {'attain.adm':>10} {'rejected':>8} {'rej p99 ms':>10} {'5xx':>4} {'lag p99 ms':>10}"
+             f" {'in proxy':>8} {'proxy p99':>9} {'ingress p99':>11}"]
     rows = result.rows + ([result.off_1x] if result.off_1x else [])
     for i, r in enumerate(rows):
         name = f"{r.multiple:g}x" + (" off" if i == len(result.rows) else "")
         lines.append(
             f"{name:>8} {r.rate:7.2f} {r.goodput:8.2f} {f(r.attainment_admitted, '10.1%')} {r.rejected_share:8.1%} "
             f"{f(r.reject_p99_ms, '10.0f')} {r.errors_5xx:4d} {f(r.arrival_lag_p99_ms, '10.0f')}"
+            f" {f(r.refused_in_proxy_share, '8.1%')} {f(r.reject_p99_ms_proxy, '9.0f')} {f(r.reject_p99_ms_ingress, '11.0f')}"
         )
     if result.admission_cost_1x is not None:
         lines.append(f"admission cost at 1x: {result.admission_cost_1x:.1%} of goodput (target <= 3%)"

@@ -22,6 +22,10 @@ PERCENTILES = (50, 90, 99)
 LAG_WARN_MS = 100.0  # a p99 arrival lag above this means the load generator, not the server, shaped the arrivals
 
 
+# Set by the server on the refusals its HTTP proxy answers itself (`cluster/proxy_gate.py`'s ANSWERED_HEADER).
+ANSWERED_HEADER = "x-forespark-refused-by"
+
+
 class RequestRow(BaseModel):
     request_id: str
     domain: str
@@ -39,6 +43,7 @@ class RequestRow(BaseModel):
     itl_max_ms: float | None = None
     e2e_ms: float
     error: str = ""
+    refused_by: str = ""  # "proxy": a refusal Serve's proxy replayed (cluster/proxy_gate.py); else the ingress's
 
     @property
     def ok(self) -> bool:

@@ -369,7 +369,7 @@ def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everythin
     import asyncio
     import json
 
-    from cluster.proxy_gate import GATE_HEADER, ProxyGate
+    from cluster.proxy_gate import ANSWERED_HEADER, GATE_HEADER, ProxyGate
 
     calls = []
 
@@ -392,7 +392,10 @@ def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everythin
         gate = ProxyGate(ingress, window_s=0.2)
         first = await call(gate, "/v1/completions")
         again = await call(gate, "/v1/completions")
-        assert calls == ["/v1/completions"] and again == first and gate.answered == 1  # answered by the proxy
+        assert calls == ["/v1/completions"] and gate.answered == 1  # answered by the proxy
+        marked = (ANSWERED_HEADER.encode(), b"proxy")
+        assert marked in again[0]["headers"] and marked not in first[0]["headers"]  # and says so; the ingress's does not
+        assert {**again[0], "headers": [h for h in again[0]["headers"] if h != marked]} == first[0] and again[1:] == first[1:]
         await call(gate, "/v1/models", method="GET")  # not an inference route: forwarded
         assert calls[-1] == "/v1/models"
         await asyncio.sleep(0.25)  # the window is over: the ingress decides again

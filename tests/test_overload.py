@@ -7,10 +7,10 @@ from loadtest.overload import OverloadResult, format_overload, overload_row
 from loadtest.report import RequestRow, build_report
 
 
-def row(i, status, ttft=100.0, tpot=10.0, e2e=500.0):
+def row(i, status, ttft=100.0, tpot=10.0, e2e=500.0, refused_by=""):
     ok = status == 200
     return RequestRow(request_id=str(i), domain="code", status=status, start_s=i * 0.1, end_s=i * 0.1 + e2e / 1000,
-                      ttft_ms=ttft if ok else None, tpot_ms=tpot if ok else None, e2e_ms=e2e, lag_ms=1.0)
+                      ttft_ms=ttft if ok else None, tpot_ms=tpot if ok else None, e2e_ms=e2e, lag_ms=1.0, refused_by=refused_by)
 
 
 def test_rows_split_refused_from_admitted_and_count_5xx():
@@ -26,6 +26,19 @@ def test_rows_split_refused_from_admitted_and_count_5xx():
     assert set(json.loads(out.model_dump_json())["rows"][0]) >= {
         "multiple", "rate", "goodput", "attainment_admitted", "rejected_share", "reject_p99_ms", "errors_5xx"}
     assert "2x" in format_overload(out)
+    assert r.refused_in_proxy_share == 0.0 and r.reject_p99_ms_proxy is None  # no refusal came from the proxy
+
+
+def test_refusals_the_proxy_answered_are_timed_apart_from_the_ingresses():
+    from cluster.proxy_gate import ANSWERED_HEADER
+    from loadtest.report import ANSWERED_HEADER as READ_HEADER
+
+    assert READ_HEADER == ANSWERED_HEADER  # the load generator reads the header the server sets
+    slo = SLOConfig(ttft_ms=1000, tpot_ms=20)
+    rows = [row(0, 200)] + [row(1 + i, 429, e2e=2.0, refused_by="proxy") for i in range(3)] + [row(4, 429, e2e=80.0)]
+    r = overload_row(4.0, 20.0, rows, build_report(rows, slo, rate=20.0, duration_s=0.6), slo)
+    assert r.refused_in_proxy_share == 3 / 4
+    assert r.reject_p99_ms_proxy == 2.0 and r.reject_p99_ms_ingress == 80.0 and r.reject_p99_ms > 70.0
 
 
 def test_admission_cost_against_an_earlier_admission_off_run_at_the_same_rate(tmp_path):

@@ -130,14 +130,13 @@ class TrainSpec(BaseModel):
         r = self.drafter_restarts
         if r != sorted(set(r)) or any(not 0 < x < self.drafter_steps for x in r):
             raise ValueError("train.drafter_restarts must be increasing steps strictly between 0 and drafter_steps")
-        shares = self.drafter_cycle_code_shares
-        if shares and (len(shares) != len(r) + 1 or any(x is not None and not 0.0 <= x <= 1.0 for x in shares)):
-            raise ValueError("train.drafter_cycle_code_shares needs one share in [0, 1] (or null) per drafter cycle: "
-                             f"{len(r) + 1} here")
-        weights = self.drafter_cycle_kl_weights
-        if weights and (len(weights) != len(r) + 1 or any(x is not None and x < 0.0 for x in weights)):
-            raise ValueError("train.drafter_cycle_kl_weights needs one weight >= 0 (or null) per drafter cycle: "
-                             f"{len(r) + 1} here")
+        cycles = len(r) + 1
+        for name, values, ok, what in (
+            ("drafter_cycle_code_shares", self.drafter_cycle_code_shares, lambda x: 0.0 <= x <= 1.0, "one share in [0, 1]"),
+            ("drafter_cycle_kl_weights", self.drafter_cycle_kl_weights, lambda x: x >= 0.0, "one weight >= 0"),
+        ):
+            if values and (len(values) != cycles or any(x is not None and not ok(x) for x in values)):
+                raise ValueError(f"train.{name} needs {what} (or null) per drafter cycle: {cycles} here")
         return self
 
     def drafter_code_share(self, cycle: int) -> float | None:

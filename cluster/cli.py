@@ -177,6 +177,7 @@ def _load_config(args: argparse.Namespace, url: str, rate: float):
         url=url.rstrip("/"), model=args.model, api_key=args.api_key, rate=rate, duration_s=args.duration,
         drain_s=args.drain, arrivals=args.arrivals, shape=shape, domains=args.domains, max_tokens=args.max_tokens,
         processes=args.processes, seed=args.seed, out_dir=Path(args.out), long_prompts=args.long_prompts,
+        temperature=args.temperature,
     )
 
 
@@ -318,6 +319,8 @@ def _add_load_options(p: argparse.ArgumentParser, out: str, duration: float) -> 
     p.add_argument("--api-key", default=None)
     p.add_argument("--domains", type=_domain_weights, default={"code": 1.0, "prose": 1.0}, help="workload mix, e.g. code=1,prose=1")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default: each domain's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request (default 0: "
+                   "greedy; the OpenAI API's default is 1)")
     p.add_argument("--long-prompts", type=LongPrompts.argument, default=None, metavar="SHARE:MEDIAN[:SIGMA]",
                    help="skewed prompt lengths: SHARE of requests carry a context of lognormal length (MEDIAN tokens, "
                    "SIGMA the spread of its log, default 1), e.g. 0.1:2000")
@@ -510,9 +513,12 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from replicas.wcs.bench import format_engine_bench, run_engine_bench
+    from replicas.engine import EngineConfig
+    from replicas.wcs.bench import bench_engine_config, format_engine_bench, run_engine_bench
 
     result = run_engine_bench(
+        engine_config=bench_engine_config(EngineConfig(), args.concurrency, args.draft_sampling),
+        temperature=args.temperature,
         policies=args.policies,
         concurrency=args.concurrency,
         requests_per_slot=args.requests_per_slot,
@@ -744,6 +750,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--requests-per-slot", type=int, default=2, help="finished requests per run = this x concurrency")
     engine.add_argument("--reps", type=int, default=3, help="interleaved runs per (policy, concurrency); rows are medians")
     engine.add_argument("--max-tokens", type=int, default=None, help="cap output tokens (default: the workload's)")
+    engine.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature "
+                        "(default 0: greedy; the OpenAI API's default is 1)")
+    engine.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default=None,
+                        help="vLLM's draft_sample_method (default: the engine config's)")
     engine.set_defaults(func=cmd_bench_engine)
     bserve = bench_sub.add_parser("serve", help="tokens/s of each policy served: its own `forespark serve` each, greedy, closed loop")
     bserve.add_argument("--policies", type=_policy_list, default=("wcs", "ar", "static"), help="comma-separated policies")

@@ -70,3 +70,22 @@ def test_probabilities_other_than_the_drafters_are_caught(llm, ar_samples, monke
     drafter_probs(llm, monkeypatch, lambda p: torch.full_like(p, 1.0 / p.shape[-1]))
     samples, _ = sampled_continuations(llm, "static")
     assert homogeneity_pvalue(samples, ar_samples) < 1e-6
+
+
+def test_the_engine_bench_samples_at_its_temperature(llm):
+    """`forespark bench engine --temperature 1`: its closed loop sends sampled requests. At T=1 this pair accepts
+    far fewer drafts per verified one than greedy on the same prompts, so a loop that dropped the temperature
+    (greedy at both) would give the same rate twice."""
+    from replicas.models.workloads import mixed_workload
+    from replicas.wcs.bench import run_closed_loop
+    from replicas.wcs.stats import WCSStats
+
+    prompts = mixed_workload(32, seed=0)
+    rates = {}
+    for temperature in (0.0, 1.0):
+        llm.collective_rpc("wcs_set_policy", args=("static",))  # also resets the counters
+        out = run_closed_loop(llm, prompts, 8, 16, 32, tag=f"t{temperature:g}", temperature=temperature, seed=0)
+        st = WCSStats(**llm.collective_rpc("wcs_stats")[0])
+        assert out["finished"] >= 16 and st.verified > 200
+        rates[temperature] = st.accepted / st.verified
+    assert rates[1.0] < 0.7 * rates[0.0]

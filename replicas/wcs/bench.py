@@ -46,6 +46,8 @@ class EngineRun(BaseModel):
 
 
 class EngineBench(BaseModel):
+    temperature: float = 0.0  # of every request (0: greedy)
+    draft_sample_method: str = "greedy"  # vLLM's: the drafter's argmax, or sampled drafts with their probabilities
     ratios: dict[str, float | None]
     matched_rate: dict[str, float | None]  # the per-request rate each ratio is taken at
     rows: list[EngineRun]
@@ -63,8 +65,13 @@ def wcs_vs_best(rows: list[EngineRun]) -> dict[str, float | None]:
     return out
 
 
-def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens: int | None, tag: str) -> dict:
+def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens: int | None, tag: str,
+                    temperature: float = 0.0, seed: int = 0) -> dict:
     """Keep `concurrency` requests in flight until `total` finish, then abort the rest.
+
+    At a temperature above 0 the n-th request of a run samples with seed `seed + n`, so every policy's run at a
+    concurrency draws from the same seeds (their outputs still differ: speculation consumes the random stream
+    differently, with the same distribution).
 
     Returns the window's seconds, tokens emitted in it, finished count, and per-request rates.
     """
@@ -81,7 +88,9 @@ def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens
         nonlocal submitted
         p = prompts[submitted % len(prompts)]
         rid = f"{tag}-{submitted}"
-        engine.add_request(rid, p.prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens or p.max_tokens))
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens or p.max_tokens,
+                                seed=seed + submitted if temperature > 0 else None)
+        engine.add_request(rid, p.prompt, params)
         in_flight.add(rid)
         submitted += 1
 
@@ -124,6 +133,16 @@ def matched_ratio(rows: list[EngineRun], ours: str, base: str) -> tuple[float | 
     return float(np.interp(rate, ro, to) / np.interp(rate, rb, tb)), float(rate)
 
 
+def bench_engine_config(base, concurrency: tuple[int, ...], draft_sampling: str | None = None):
+    """`base` (an `EngineConfig`) sized for the bench: a slot and KV room for every request in flight at the highest
+    concurrency (the workload's requests need about 200 tokens each; the default 256 MiB holds some 21k tokens),
+    and the drafts sampled as `draft_sampling` says (None: as `base` does)."""
+    update: dict = {"max_num_seqs": max(concurrency), "kv_cache_memory_bytes": 640 << 20}
+    if draft_sampling and base.drafter is not None:
+        update["drafter"] = base.drafter.model_copy(update={"draft_sample_method": draft_sampling})
+    return base.model_copy(update=update)
+
+
 def run_engine_bench(
     policies: tuple[str, ...] = POLICIES,
     concurrency: tuple[int, ...] = CONCURRENCY,
@@ -132,13 +151,12 @@ def run_engine_bench(
     max_tokens: int | None = None,
     engine_config=None,
     progress: Callable[[str], None] | None = None,
+    temperature: float = 0.0,
 ) -> EngineBench:
     from replicas.engine import EngineConfig, make_llm
     from replicas.models.workloads import mixed_workload
 
-    # KV room for every request in flight at the highest concurrency (the workload's requests need
-    # about 200 tokens each; the default 256 MiB holds some 21k tokens).
-    config = engine_config or EngineConfig(max_num_seqs=max(concurrency), kv_cache_memory_bytes=640 << 20)
+    config = engine_config or bench_engine_config(EngineConfig(), concurrency)
     llm = make_llm(config)
     prompts = mixed_workload(128, seed=config.seed)
     # Warm every code path once before timing.
@@ -151,7 +169,8 @@ def run_engine_bench(
         for rep in range(reps):
             for policy in policies:
                 llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
-                out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}")
+                out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}",
+                                      temperature=temperature, seed=config.seed + 100_000 * rep)
                 stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
                 runs[policy].append(
                     EngineRun(
@@ -177,7 +196,9 @@ def run_engine_bench(
     for base in ("dspark", "ar", "static"):
         if "wcs" in policies and base in policies:
             ratios[f"wcs_vs_{base}"], rates[f"wcs_vs_{base}"] = matched_ratio(rows, "wcs", base)
-    return EngineBench(ratios=ratios, matched_rate=rates, rows=rows, wcs_vs_best=wcs_vs_best(rows))
+    drafter = config.drafter
+    return EngineBench(temperature=temperature, draft_sample_method=drafter.draft_sample_method if drafter else "greedy",
+                       ratios=ratios, matched_rate=rates, rows=rows, wcs_vs_best=wcs_vs_best(rows))
 
 
 def median_run(runs: list[EngineRun]) -> EngineRun:
@@ -206,7 +227,7 @@ def format_rows(rows: list[EngineRun], header: bool = True) -> str:
 
 
 def format_engine_bench(result: EngineBench) -> str:
-    lines = [format_rows(result.rows)]
+    lines = [f"temperature {result.temperature:g}, {result.draft_sample_method} drafts", format_rows(result.rows)]
     best = ", ".join(f"c={c}: {v:.2f}" for c, v in result.wcs_vs_best.items() if v is not None)
     if best:
         lines.append(f"wcs over the best other policy per concurrency: {best}")

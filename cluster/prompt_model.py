@@ -93,7 +93,8 @@ class PromptModel(BaseModel):
     @classmethod
     def shipped(cls) -> "PromptModel":
         """Fitted on the shipped workloads and build report (milliseconds; done once per router)."""
-        from replicas.models.build import WEIGHTS_DIR, BuildReport
+        from replicas.models import WEIGHTS_DIR
+        from replicas.models.report import BuildReport
         from replicas.models.workloads import load_workloads
 
         report = BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text())

@@ -402,3 +402,18 @@ def test_an_ingress_over_deployments_of_two_tensor_parallel_sizes_calls_the_one_
         assert 15 < picks.count(cold) < 45
 
     asyncio.run(go())
+
+
+def test_the_ingress_builds_its_router_without_importing_torch():
+    """Serve builds the request router on the ingress's event loop when the first request arrives; an import of
+    torch there (the prompt model once read the build report through the model build's module) held that loop,
+    and every request on it, for seconds. Control: importing the build module does pull torch in, so the check
+    sees the import it guards against."""
+    import subprocess
+    import sys
+
+    probe = "import sys; {}; print('torch' in sys.modules)"
+    ingress = "import cluster.ingress, cluster.router; from cluster.prompt_model import PromptModel; PromptModel.shipped()"
+    run = lambda code: subprocess.run([sys.executable, "-c", probe.format(code)], capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert run(ingress) == "False"
+    assert run("import replicas.models.build") == "True"

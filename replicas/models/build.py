@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from replicas.models import checkpoint as ckpt
-from replicas.models.corpus import DOMAINS, CorpusSource, load_corpus
+from replicas.models.corpus import DOMAINS, load_corpus
 from replicas.models.data import TokenStreams, streams_key
 from replicas.models.dflash import DFlashDrafter, target_features
 from replicas.models.distill import (
@@ -49,40 +49,8 @@ from replicas.models.target import TargetTrainer, decay_start, held_out_perplexi
 from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, tokenizer_training_texts, train_tokenizer
 
 from replicas.models import WEIGHTS_DIR  # noqa: E402,F401 (where the build writes and callers find the pair)
+from replicas.models.report import BuildReport, DomainQuality  # noqa: E402,F401 (what a build writes)
 PHASES = ("target", "continuations", "drafter", "evaluation")
-
-
-class DomainQuality(BaseModel):
-    perplexity: float
-    unigram_perplexity: float
-    offline_acceptance: list[float]  # P(first j drafts match the target's greedy tokens), j = 1..block
-    bits_per_char: float | None = None  # held-out, so that vocabularies compare
-    chars_per_token: float | None = None  # of the held-out text
-    # E[first j greedy drafts accepted] by vLLM's rejection sampler at T=1 after the target's sampled text
-    offline_acceptance_t1: list[float] = []
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Accepted drafts + the bonus token, greedy, full width."""
-        return 1.0 + float(sum(self.offline_acceptance))
-
-    @property
-    def mean_accepted_length_t1(self) -> float | None:
-        return 1.0 + float(sum(self.offline_acceptance_t1)) if self.offline_acceptance_t1 else None
-
-
-class BuildReport(BaseModel):
-    spec: BuildSpec
-    python: str
-    torch: str
-    corpus_chars: dict[str, dict[str, int]]
-    domains: dict[str, DomainQuality]
-    target_loss_last: float
-    drafter_loss_last: float
-    seconds: dict[str, float]
-    corpus_tokens: dict[str, dict[str, int]] = {}
-    corpus_sources: list[CorpusSource] = []  # per pinned package: version, licence, what was used or why not
-    resumes: int = 0
 
 
 def _sha256(path: Path) -> str:

@@ -42,6 +42,10 @@ class FleetBackend:
     async def chat_completions(self, body: dict, raw_request=None) -> Reply:
         return await self.choose(body).chat_completions(body, raw_request)
 
+    def refusal_before_body(self) -> Reply | None:
+        """Refused only when every deployment's gate is shut (which one would serve the request depends on it)."""
+        return self.backends[0].refusal_before_body() if all(b.gate_closed() for b in self.backends) else None
+
     async def list_models(self) -> Reply:
         return await self.backends[0].list_models()
 

@@ -107,6 +107,16 @@ class HandleBackend:
         self.loop = loop  # admission's, shared with the router (None: admission off)
         self._metrics_url: str | None = None  # this node's Ray metrics agent, found on the first GET /metrics
 
+    def gate_closed(self) -> bool:
+        """Admission's gate: the router refused last and nothing finished since."""
+        return self.loop is not None and self.loop.gate.closed()
+
+    def refusal_before_body(self) -> Reply | None:
+        if not self.gate_closed():
+            return None
+        GATED.inc()
+        return self._refused(self.loop.gate.retry_after_s, "no replica can serve the request within its SLOs now", self.loop)
+
     def _overloaded(self) -> Reply:
         return self._refused(self.config.retry_after_s, "the server is at capacity; retry later")
 
@@ -122,9 +132,8 @@ class HandleBackend:
         loop = self.loop if route in ("completions", "chat_completions") else None
         if loop is None:
             return await self._dispatch(route, body, kwargs)
-        if loop.gate.closed():  # the router refused last and nothing finished since
-            GATED.inc()
-            return self._refused(loop.gate.retry_after_s, "no replica can serve the request within its SLOs now", loop)
+        if (gated := self.refusal_before_body()) is not None:  # (the gate may have shut while the body was read)
+            return gated
         kwargs["ticket"] = ticket = loop.ticket()
         reply = await self._dispatch(route, body, kwargs, loop, start)
         if reply.stream is None:  # refused, failed, or a whole response (whose TTFT is not known here)

@@ -56,6 +56,8 @@ def build_http_app(start_backend: Callable[[], Awaitable[Backend]], api_key: str
         app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
 
     async def serve(request: Request, call: Callable[[Backend, dict, Request], Awaitable[Reply]]) -> Response:
+        if (refused := state["engine"].refusal_before_body()) is not None:
+            return respond(refused)
         body = await _json_body(request)
         if isinstance(body, Reply):
             return respond(body)

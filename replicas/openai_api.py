@@ -38,6 +38,10 @@ class Backend(Protocol):
 
     async def chat_completions(self, body: dict, raw_request=None) -> Reply: ...
 
+    def refusal_before_body(self) -> Reply | None:
+        """A refusal due to every generation request now, whatever its body (admission's shut gate), or None. The
+        app asks before it reads the body: behind Serve's proxy that read is one more round trip to the proxy."""
+
     async def wcs_stats(self) -> dict | None:
         return (await self.engine.collective_rpc("wcs_stats"))[0] if self.has_wcs else None
 
@@ -162,6 +166,9 @@ class OpenAIEngine:
 
     async def list_models(self) -> Reply:
         return Reply(200, (await self.models.show_available_models()).model_dump())
+
+    def refusal_before_body(self) -> Reply | None:
+        return None  # one engine has no admission
 
     async def completions(self, body: dict, raw_request=None) -> Reply:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest

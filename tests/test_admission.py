@@ -408,3 +408,60 @@ def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everythin
         assert calls.count("/v1/chat/completions") == 2 and other.answered == 0
 
     asyncio.run(go())
+
+
+def test_the_ingress_refuses_at_its_gate_before_reading_the_body():
+    """Behind Serve's proxy the ingress reads a request's body with a call back to the proxy; while admission's
+    gate is shut the refusal needs nothing from the body, so the app answers before reading it (and before the
+    handle). Control: with the gate open the same request's body is read and the handle called."""
+    from fastapi.testclient import TestClient
+
+    from cluster.ingress import GATE_HEADER, HandleBackend, IngressConfig
+    from replicas.http_app import build_http_app
+
+    called, reads = [], []
+
+    class Handle:  # stand-in for the engine deployment's handle: records calls, serves nothing
+        deployment_name = "engine"
+
+        def options(self, **_):
+            return self
+
+        @property
+        def call(self):
+            return self
+
+        def remote(self, *args, **kwargs):
+            called.append(args[0])
+            return self
+
+        async def __anext__(self):
+            raise RuntimeError("no engine here")
+
+    loop = AdmissionLoop(AdmissionConfig())
+    backend = HandleBackend(Handle(), IngressConfig(), loop)
+    app = build_http_app(lambda: _ready(backend))
+
+    async def counting(scope, receive, send):
+        async def counted():
+            message = await receive()
+            if message["type"] == "http.request":
+                reads.append(scope["path"])
+            return message
+
+        await app(scope, counted if scope["type"] == "http" else receive, send)
+
+    body = {"model": "forespark", "prompt": "def f(", "max_tokens": 4}
+    with TestClient(counting) as client:
+        loop.gate.close(60_000.0, retry_after_s=2)
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == 429
+        assert refused.headers["retry-after"] == "2" and GATE_HEADER in refused.headers
+        assert reads == [] and called == []
+        loop.gate.open()
+        client.post("/v1/completions", json=body)
+        assert reads == ["/v1/completions"] and called == ["completions"]
+
+
+async def _ready(backend):
+    return backend

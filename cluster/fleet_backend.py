@@ -5,7 +5,8 @@ each (`cluster/app.py`), and each deployment's handle has its own router (`clust
 within that deployment. Per request the ingress asks each deployment's router for the TPOT slack its best
 replica would keep with the request (`AcceptanceHeadroomRouter.best_slack`: the same score it ranks by, each
 replica priced by its own cost model) and calls the deployment with the most; that router then places it
-(and admits it or not) as it always does. Until every deployment's replicas have reported stats, requests
+(and admits it or not) as it always does. A deployment whose every replica holds its `max_ongoing_requests`
+would queue the request, so it loses it to one with room. Until every deployment's replicas have reported stats, requests
 go to a deployment at random in proportion to its replicas, as Serve's power-of-two fallback spreads them.
 """
 

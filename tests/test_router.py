@@ -393,6 +393,13 @@ def test_an_ingress_over_deployments_of_two_tensor_parallel_sizes_calls_the_one_
         assert backend.choose(body) is tp2
         r2.update_replicas([BenchReplica(r.replica_id, stats(60).model_dump()) for r in r2.curr_replicas.values()])
         assert backend.choose(body) is tp1  # control: loaded, it loses the request
+        # A deployment whose every replica holds its max_ongoing_requests would queue the request: it loses it to one
+        # with room, whatever its slack; with one replica free it is ranked by slack again.
+        for r in r1.curr_replicas.values():
+            r.max_ongoing_requests, r1.in_flight[r.replica_id] = 4, 4
+        assert backend.choose(body) is tp2
+        r1.in_flight[next(iter(r1.curr_replicas))] = 3
+        assert backend.choose(body) is tp1
         # A deployment whose router Serve has not made yet gets the request (its first makes it); one without stats
         # yet shares the traffic by replica count.
         router_registry.ROUTERS.pop("mixed-tp2")

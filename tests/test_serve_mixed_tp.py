@@ -23,11 +23,16 @@ def test_a_fleet_of_two_tensor_parallel_sizes_serves_from_a_deployment_per_size(
     import ray
     from ray import serve
 
-    from cluster.app import AppConfig, build_app
+    from cluster.admission import AdmissionConfig
+    from cluster.app import AppConfig, RouterConfig, build_app
     from replicas.deployment import ReplicaConfig
 
     groups = [{"name": "tp1", "count": 1}, {"name": "tp2", "count": 1, "engine": {"tensor_parallel_size": 2}}]
-    config = AppConfig(replica=ReplicaConfig(groups=groups, max_ongoing_requests=4, stats_period_s=0.5))
+    # Admission off: on two cores the TP 2 engine's ranks share them with the TP 1 engine, and on a slow host its
+    # steps alone miss the default TPOT SLO, so it would refuse what this test needs served (tests/test_admission.py
+    # covers admission).
+    config = AppConfig(replica=ReplicaConfig(groups=groups, max_ongoing_requests=4, stats_period_s=0.5),
+                       router=RouterConfig(admission=AdmissionConfig(enabled=False)))
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})

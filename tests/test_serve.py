@@ -38,12 +38,14 @@ def app():
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    # Small limits, so that overload is reachable from one test; a short stats period for the router. A loose
-    # application TTFT SLO: a request can only tighten it (X-SLO-TTFT-Ms), so tests that need a deadline send one.
+    # Small limits, so that overload is reachable from one test; a short stats period for the router. Loose
+    # application SLOs: a request can only tighten them (X-SLO-TTFT-Ms, X-SLO-TPOT-Ms), so tests that need a
+    # deadline send one. (At the replicas' default 20 ms TPOT SLO a slow 2-core host refuses a third request per
+    # replica, and the tests that fill both replicas to max_ongoing_requests could never fill them.)
     config = AppConfig(
         replica=ReplicaConfig(num_replicas=2, max_ongoing_requests=3, max_queued_requests=2, stats_period_s=0.5),
         ingress=IngressConfig(api_key=KEY),
-        router=RouterConfig(admission=AdmissionConfig(ttft_ms=30000.0)),
+        router=RouterConfig(admission=AdmissionConfig(ttft_ms=30000.0, tpot_ms=1000.0)),
     )
     serve.run(build_app(config), name="forespark", route_prefix="/")
     yield config
@@ -237,7 +239,11 @@ def test_overload_is_turned_away_with_429_retry_after_and_an_openai_body(app):
 
     replies = asyncio.run(burst())
     codes = sorted(r.status_code for r in replies)
-    assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    # Two replicas of 3 slots and Serve's queue of 2 would take 8 of the 16, but Serve refuses a request while
+    # earlier ones wait to be assigned (documented at `Router.wrap_request_assignment`): measured 2-9 served of
+    # the same burst on one host. Only the queue's own 2 are certain.
+    assert codes.count(200) >= app.replica.max_queued_requests and codes.count(429) >= 1 and set(codes) <= {200, 429}, \
+        Counter(r.text[:160] for r in replies if r.status_code != 200)
     for r in replies:
         if r.status_code == 429:  # the callers' queue full (1 s), or refused by admission (its drain time)
             assert int(r.headers.get("retry-after")) >= 1 and r.json()["error"]["code"] == 429

@@ -380,12 +380,13 @@ class AdmissionLoop:
     def ticket(self) -> int:
         return next(self._tickets)
 
-    def decide(self, *args, now: float | None = None, **kwargs) -> tuple[Decision, Corrections]:
+    def decide(self, *args, now: float | None = None, commit: bool = True, **kwargs) -> tuple[Decision, Corrections]:
         """`decide` with the feedback's corrections, and the corrections it used. When they refuse a request
         that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
         correction that refuses everything would otherwise be measured again only when its measurements age
         out (`feedback_max_age_s`; one learned from the burst that opens an overload refused everything while
-        they lived, the load gone or not)."""
+        they lived, the load gone or not). `commit` False: a look ahead that admits nothing (the probe's clock
+        stays as it was)."""
         now = time.monotonic() if now is None else now
         corrections = self.feedback.corrections(now)
         decision = decide(*args, corrections=corrections, **kwargs)
@@ -393,7 +394,7 @@ class AdmissionLoop:
             probe = decide(*args, **kwargs)
             if probe.admit:
                 decision, corrections = probe, Corrections()
-        if decision.admit:
+        if decision.admit and commit:
             self.last_admitted = now
         return decision, corrections
 

@@ -13,6 +13,7 @@ go to a deployment at random in proportion to its replicas, as Serve's power-of-
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from cluster import router_registry
 from replicas.openai_api import Reply
@@ -43,9 +44,13 @@ class FleetBackend:
     async def chat_completions(self, body: dict, raw_request=None) -> Reply:
         return await self.choose(body).chat_completions(body, raw_request)
 
-    def refusal_before_body(self) -> Reply | None:
-        """Refused only when every deployment's gate is shut (which one would serve the request depends on it)."""
-        return self.backends[0].refusal_before_body() if all(b.gate_closed() for b in self.backends) else None
+    def refusal_before_body(self, headers: Mapping[str, str] | None = None) -> Reply | None:
+        """Refused only when every deployment would refuse any body (which one would serve the request depends on
+        it): all their gates shut, or all their routers refusing."""
+        if all(b.gate_closed() for b in self.backends):
+            return self.backends[0].refusal_before_body(headers)
+        decisions = [b.refusal_for_any_body(headers) for b in self.backends]
+        return self.backends[0].refuse(decisions[0]) if all(d is not None for d in decisions) else None
 
     async def list_models(self) -> Reply:
         return await self.backends[0].list_models()

@@ -17,7 +17,10 @@ With admission on, the ingress also closes admission's loop
 which the router keeps its prediction, and reports the TTFT (to the first
 streamed chunk) and TPOT (over the rest, from the usage the stream ends with)
 that it measured. While the router's last decision was a refusal for a full
-fleet (`AdmissionGate`), it answers 429 without calling the handle.
+fleet (`AdmissionGate`), it answers 429 without calling the handle; and before
+it reads a request's body (behind Serve's proxy a call back to the proxy) it
+asks the router whether admission would refuse any body now
+(`AcceptanceHeadroomRouter.refusal_for_any_body`).
 
 `GET /metrics` passes on ForeSpark's series from the Ray metrics agent of the
 ingress's own node (`HandleBackend.metrics`); there is no central collector.
@@ -29,12 +32,22 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.admission import TPOT_HEADER, TTFT_HEADER, AdmissionConfig, AdmissionLoop, AdmissionRejected, RequestSLO, admission_loop
+from cluster import router_registry
+from cluster.admission import (
+    TPOT_HEADER,
+    TTFT_HEADER,
+    AdmissionConfig,
+    AdmissionLoop,
+    AdmissionRejected,
+    Decision,
+    RequestSLO,
+    admission_loop,
+)
 from cluster.proxy_gate import GATE_HEADER
 from cluster.router_metrics import DECISIONS
 from replicas.openai_api import Reply, error_reply, exception_reply
@@ -111,9 +124,28 @@ class HandleBackend:
         """Admission's gate: the router refused last and nothing finished since."""
         return self.loop is not None and self.loop.gate.closed()
 
-    def refusal_before_body(self) -> Reply | None:
-        if not self.gate_closed():
+    def refusal_before_body(self, headers: Mapping[str, str] | None = None) -> Reply | None:
+        if self.gate_closed():
+            return self._gated()
+        decision = self.refusal_for_any_body(headers)
+        return None if decision is None else self.refuse(decision)
+
+    def refusal_for_any_body(self, headers: Mapping[str, str] | None) -> Decision | None:
+        """The router's refusal of any request with these headers now (looks only), or None."""
+        router = router_registry.ROUTERS.get(self.deployment_name) if self.loop is not None and headers is not None else None
+        if router is None:  # admission off, or Serve has not made the handle's router yet
             return None
+        try:
+            slo = RequestSLO.from_headers(headers)
+        except ValueError:  # the request's own 400, once its body is read
+            return None
+        return router.refusal_for_any_body(slo.model_dump() if slo else None)
+
+    def refuse(self, decision: Decision) -> Reply:
+        refusal = router_registry.ROUTERS[self.deployment_name].refuse(decision)
+        return self._refused(refusal.retry_after_s, str(refusal), self.loop if self.loop.gate.closed() else None)
+
+    def _gated(self) -> Reply:
         GATED.inc()
         return self._refused(self.loop.gate.retry_after_s, "no replica can serve the request within its SLOs now", self.loop)
 
@@ -132,8 +164,8 @@ class HandleBackend:
         loop = self.loop if route in ("completions", "chat_completions") else None
         if loop is None:
             return await self._dispatch(route, body, kwargs)
-        if (gated := self.refusal_before_body()) is not None:  # (the gate may have shut while the body was read)
-            return gated
+        if self.gate_closed():  # (it may have shut while the body was read)
+            return self._gated()
         kwargs["ticket"] = ticket = loop.ticket()
         reply = await self._dispatch(route, body, kwargs, loop, start)
         if reply.stream is None:  # refused, failed, or a whole response (whose TTFT is not known here)

@@ -59,6 +59,11 @@ class PromptModel(BaseModel):
         """Predicted mean accepted length for an OpenAI request body."""
         return sum(p * a for p, a in zip(self.domain_probs(prompt_text(body)), self.accept_len))
 
+    @property
+    def best_relative_acceptance(self) -> float:
+        """The most `relative_acceptance` gives any body (all its mass on the best-accepting domain)."""
+        return max(self.accept_len) * len(self.accept_len) / sum(self.accept_len)
+
     def relative_acceptance(self, body: dict) -> float:
         """`predict` over the domains' mean: above 1 for requests expected to accept better than most."""
         return self.predict(body) * len(self.accept_len) / sum(self.accept_len)

@@ -39,19 +39,21 @@ def route(
     slo: RequestSLO | None = None,
     tie_ms: float = 1.0,
     now: float | None = None,
+    commit: bool = True,
 ) -> Route:
     """`added`: requests routed to each replica since its stats were taken, net of those finished since;
     `prompt_tokens`: the request's (estimated from its text); `pending_prompt_tokens`: those routed to each replica
     since its stats (as `added`);
     `drain_rates`: each replica's measured completions per second (admission only); `now`: the admission
-    loop's clock (None: the monotonic clock; a simulator passes its own)."""
+    loop's clock (None: the monotonic clock; a simulator passes its own); `commit` False: admission only looks
+    (`AdmissionLoop.decide`)."""
     tokens = expected_tokens_per_step(fleet, relative_acceptance)
     slack = placement_slack(fleet, added, tokens, prompt_tokens, pending_prompt_tokens)
     decision, correction = None, Corrections()
     if loop is not None and config is not None:
         rates = np.zeros(len(slack)) if drain_rates is None else drain_rates
         decision, correction = loop.decide(
-            fleet, added, tokens, prompt_tokens, rates, config, waited_ms=waited_ms, slo=slo, now=now
+            fleet, added, tokens, prompt_tokens, rates, config, waited_ms=waited_ms, slo=slo, now=now, commit=commit
         )
         if not decision.admit:
             return Route(np.zeros(0, dtype=np.int64), 0, decision, correction, -np.inf)

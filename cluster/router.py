@@ -157,12 +157,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self._tpot_correction.set(correction.tpot_ms)
             self._tpot_slope.set(correction.tpot_slope)
             if not decision.admit:
-                self._refusals.inc()
-                if decision.full:
-                    loop.gate.close(config.gate_s, decision.retry_after_s)
-                raise admission_module.AdmissionRejected(
-                    decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min())
-                )
+                raise self.refuse(decision)
             if ticket is not None:  # kept uncorrected: the feedback compares the model's own predictions
                 self._predictions[ticket] = (view.position, *correction.undo(decision.ttft_ms, decision.tpot_ms))
                 while len(self._predictions) > admission_module.MAX_PENDING:
@@ -173,6 +168,38 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]
         tail = ranked[tied + self.top_ranks - 1 :]
         return [ranked[:tied], *singles, *([tail] if tail else [])]
+
+    def refuse(self, decision: admission_module.Decision) -> admission_module.AdmissionRejected:
+        """Counts a refusal (a full fleet shuts the ingress's gate) and returns what the caller raises."""
+        self._refusals.inc()
+        if decision.full:
+            self.loop.gate.close(self.admission.gate_s, decision.retry_after_s)
+        return admission_module.AdmissionRejected(decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min()))
+
+    def refusal_for_any_body(self, slo: dict | None = None) -> admission_module.Decision | None:
+        """Admission's refusal of every request now, whatever its body, or None: the decision `rank` would make
+        for the most favourable one (an empty prompt of the best-accepting domain, nothing waited). A prompt's
+        length only adds to its TTFT and a lower acceptance only to its TPOT (`placement_forecast`), so no body
+        would be admitted where this one is refused; the ingress asks before it reads the body. Looks only:
+        nothing is counted, no gate shut, the probe's clock kept (`refuse` commits it)."""
+        replicas = list(self.curr_replicas.values())
+        view = self._fleet(replicas) if replicas and self.loop is not None else None
+        if view is None:
+            return None
+        routed = route(
+            view.arrays,
+            (view.routed - view.baseline) * self.ingresses,
+            self.model.best_relative_acceptance,
+            loop=self.loop,
+            config=self.admission,
+            prompt_tokens=0.0,
+            pending_prompt_tokens=view.prompts * self.ingresses,
+            drain_rates=self.drain.rates(view.ids),
+            slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
+            tie_ms=self.tie_ms,
+            commit=False,
+        )
+        return None if routed.decision.admit else routed.decision
 
     def best_slack(self, body: dict | None) -> float | None:
         """The TPOT slack (ms) of this deployment's best replica for `body`, as `rank` would place it now (admission

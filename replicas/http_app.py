@@ -56,7 +56,7 @@ def build_http_app(start_backend: Callable[[], Awaitable[Backend]], api_key: str
         app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
 
     async def serve(request: Request, call: Callable[[Backend, dict, Request], Awaitable[Reply]]) -> Response:
-        if (refused := state["engine"].refusal_before_body()) is not None:
+        if (refused := state["engine"].refusal_before_body(request.headers)) is not None:
             return respond(refused)
         body = await _json_body(request)
         if isinstance(body, Reply):

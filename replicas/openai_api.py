@@ -11,7 +11,7 @@ SSE lines ending in `data: [DONE]`. Errors are OpenAI-style
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,9 +38,10 @@ class Backend(Protocol):
 
     async def chat_completions(self, body: dict, raw_request=None) -> Reply: ...
 
-    def refusal_before_body(self) -> Reply | None:
-        """A refusal due to every generation request now, whatever its body (admission's shut gate), or None. The
-        app asks before it reads the body: behind Serve's proxy that read is one more round trip to the proxy."""
+    def refusal_before_body(self, headers: Mapping[str, str] | None = None) -> Reply | None:
+        """A refusal due to a generation request with these headers now, whatever its body (admission's shut gate,
+        or no replica that would admit the most favourable body), or None. The app asks before it reads the body:
+        behind Serve's proxy that read is one more round trip to the proxy."""
 
     async def wcs_stats(self) -> dict | None:
         return (await self.engine.collective_rpc("wcs_stats"))[0] if self.has_wcs else None
@@ -167,7 +168,7 @@ class OpenAIEngine:
     async def list_models(self) -> Reply:
         return Reply(200, (await self.models.show_available_models()).model_dump())
 
-    def refusal_before_body(self) -> Reply | None:
+    def refusal_before_body(self, headers: Mapping[str, str] | None = None) -> Reply | None:
         return None  # one engine has no admission
 
     async def completions(self, body: dict, raw_request=None) -> Reply:

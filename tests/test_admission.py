@@ -4,6 +4,7 @@ router's in-flight accounting and the admission decision as the router runs them
 admission off is the control: it collapses.
 """
 
+import asyncio
 import random
 
 import numpy as np
@@ -366,7 +367,6 @@ def test_admission_keeps_a_margin_under_the_tpot_slo():
 
 
 def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everything_else():
-    import asyncio
     import json
 
     from cluster.proxy_gate import ANSWERED_HEADER, GATE_HEADER, ProxyGate
@@ -410,36 +410,32 @@ def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everythin
     asyncio.run(go())
 
 
-def test_the_ingress_refuses_at_its_gate_before_reading_the_body():
-    """Behind Serve's proxy the ingress reads a request's body with a call back to the proxy; while admission's
-    gate is shut the refusal needs nothing from the body, so the app answers before reading it (and before the
-    handle). Control: with the gate open the same request's body is read and the handle called."""
-    from fastapi.testclient import TestClient
+class _RecordingHandle:
+    """Stand-in for the engine deployment's handle in the ingress tests below: records calls, serves nothing."""
 
-    from cluster.ingress import GATE_HEADER, HandleBackend, IngressConfig
+    def __init__(self, deployment_name: str = "engine") -> None:
+        self.deployment_name = deployment_name
+        self.called: list[str] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def call(self):
+        return self
+
+    def remote(self, *args, **kwargs):
+        self.called.append(args[0])
+        return self
+
+    async def __anext__(self):
+        raise RuntimeError("no engine here")
+
+
+def _body_reading_app(backend, reads: list[str]):
+    """The ingress's HTTP app over `backend`, appending each request path whose body it reads to `reads`."""
     from replicas.http_app import build_http_app
 
-    called, reads = [], []
-
-    class Handle:  # stand-in for the engine deployment's handle: records calls, serves nothing
-        deployment_name = "engine"
-
-        def options(self, **_):
-            return self
-
-        @property
-        def call(self):
-            return self
-
-        def remote(self, *args, **kwargs):
-            called.append(args[0])
-            return self
-
-        async def __anext__(self):
-            raise RuntimeError("no engine here")
-
-    loop = AdmissionLoop(AdmissionConfig())
-    backend = HandleBackend(Handle(), IngressConfig(), loop)
     app = build_http_app(lambda: _ready(backend))
 
     async def counting(scope, receive, send):
@@ -451,16 +447,65 @@ def test_the_ingress_refuses_at_its_gate_before_reading_the_body():
 
         await app(scope, counted if scope["type"] == "http" else receive, send)
 
-    body = {"model": "forespark", "prompt": "def f(", "max_tokens": 4}
-    with TestClient(counting) as client:
+    return counting
+
+
+BODY = {"model": "forespark", "prompt": "def f(", "max_tokens": 4}
+
+
+def test_the_ingress_refuses_at_its_gate_before_reading_the_body():
+    """Behind Serve's proxy the ingress reads a request's body with a call back to the proxy; while admission's
+    gate is shut the refusal needs nothing from the body, so the app answers before reading it (and before the
+    handle). Control: with the gate open the same request's body is read and the handle called."""
+    from fastapi.testclient import TestClient
+
+    from cluster.ingress import GATE_HEADER, HandleBackend, IngressConfig
+
+    reads, handle, loop = [], _RecordingHandle(), AdmissionLoop(AdmissionConfig())
+    with TestClient(_body_reading_app(HandleBackend(handle, IngressConfig(), loop), reads)) as client:
         loop.gate.close(60_000.0, retry_after_s=2)
-        refused = client.post("/v1/completions", json=body)
+        refused = client.post("/v1/completions", json=BODY)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == 429
         assert refused.headers["retry-after"] == "2" and GATE_HEADER in refused.headers
-        assert reads == [] and called == []
+        assert reads == [] and handle.called == []
         loop.gate.open()
-        client.post("/v1/completions", json=body)
-        assert reads == ["/v1/completions"] and called == ["completions"]
+        client.post("/v1/completions", json=BODY)
+        assert reads == ["/v1/completions"] and handle.called == ["completions"]
+
+
+def test_the_ingress_refuses_before_the_body_what_its_router_would_refuse_for_any_body():
+    """With the gate open, the ingress asks its router whether admission refuses any body now
+    (`AcceptanceHeadroomRouter.refusal_for_any_body`, whose soundness `tests/test_router.py` checks): every replica
+    full past the SLOs -> refused unread, the handle never called, and the gate shut as the router's own refusal
+    would. Control: with room on a replica the body is read and the handle called."""
+    from fastapi.testclient import TestClient
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cluster.ingress import GATE_HEADER, HandleBackend, IngressConfig
+    from cluster.router import AcceptanceHeadroomRouter
+    from tests.test_router import fleet
+
+    name = "refuses-any-body"
+    router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name=name, app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0})
+
+    async def replicas(loads):  # Serve's router updates its replicas on its event loop
+        router.update_replicas(fleet(loads))
+
+    routers_loop = asyncio.new_event_loop()
+
+    reads, handle = [], _RecordingHandle(name)
+    with TestClient(_body_reading_app(HandleBackend(handle, IngressConfig(), router.loop), reads)) as client:
+        routers_loop.run_until_complete(replicas([400, 400]))
+        refused = client.post("/v1/completions", json=BODY)
+        assert refused.status_code == 429 and "SLO" in refused.json()["error"]["message"], refused.text
+        assert GATE_HEADER in refused.headers and router.loop.gate.closed()  # a full fleet shuts the gate
+        assert reads == [] and handle.called == []
+        router.loop.gate.open()
+        routers_loop.run_until_complete(replicas([2, 3]))
+        client.post("/v1/completions", json=BODY)
+        assert reads == ["/v1/completions"] and handle.called == ["completions"]
+    routers_loop.close()
 
 
 async def _ready(backend):

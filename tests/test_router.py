@@ -424,3 +424,65 @@ def test_the_ingress_builds_its_router_without_importing_torch():
     run = lambda code: subprocess.run([sys.executable, "-c", probe.format(code)], capture_output=True, text=True, check=True).stdout.split()[-1]
     assert run(ingress) == "False"
     assert run("import replicas.models.build") == "True"
+
+
+def test_the_router_refuses_before_the_body_only_where_it_would_refuse_every_body():
+    """The ingress asks `refusal_for_any_body` before it reads a request's body. Sound: wherever it refuses, `rank`
+    refuses every body (code and prose, short and long prompts) on the same fleet under the same SLO header. It only
+    looks (no gate shut, the probe's clock kept) until `refuse` commits it. Control: the same look with the
+    worst-accepting domain's acceptance in place of the best one's is no bound: it refuses where a code prompt is
+    admitted."""
+    async def go():
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+        from cluster import admission
+        from cluster.route import route
+        from cluster.router import AcceptanceHeadroomRouter
+
+        router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="lookahead", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0})
+        loop = router.loop
+        code = {"prompt": "def f(x):\n    return x"}
+        bodies = [code, {"prompt": "def f(x):\n" + "    y = x + 1\n" * 300}, {"prompt": "The history of the river valley is"},
+                  {"messages": [{"role": "user", "content": "Tell me about rivers."}]}]
+        looks = refused_looks = unsound_control = 0
+        worst_acceptance = min(router.model.accept_len) * len(router.model.accept_len) / sum(router.model.accept_len)
+        for loads in ([2, 3], [12, 10], [30, 20], [45, 40], [64, 60]):
+            replicas = fleet(loads)
+            router.update_replicas(replicas)
+            view = router._fleet(list(router.curr_replicas.values()))
+            # The SLOs a code prompt just meets, among others: where acceptance decides.
+            best = route(view.arrays, view.routed - view.baseline, router.model.relative_acceptance(code), loop=loop,
+                         config=router.admission, prompt_tokens=router._prompt_tokens(code), commit=False)
+            edge = float(best.decision.tpot_ms.min()) / router.admission.tpot_share * 1.0001
+            for tpot_ms in [*np.linspace(2.0, 40.0, 96), edge]:
+                slo = {"tpot_ms": float(tpot_ms)}
+                loop.gate.open()
+                loop.last_admitted = -1e9
+                looked = router.refusal_for_any_body(slo)
+                looks += 1
+                assert not loop.gate.closed() and loop.last_admitted == -1e9  # a look commits nothing
+                admitted = []
+                for body in bodies:
+                    try:
+                        router.rank(list(router.curr_replicas.values()), body, slo=slo)
+                        admitted.append(True)
+                    except admission.AdmissionRejected:
+                        admitted.append(False)
+                if looked is not None:
+                    refused_looks += 1
+                    assert not any(admitted), (loads, tpot_ms, admitted)
+                worst = route(view.arrays, view.routed - view.baseline, worst_acceptance, loop=loop, config=router.admission,
+                              prompt_tokens=0.0, slo=admission.RequestSLO(tpot_ms=float(tpot_ms)), commit=False)
+                unsound_control += (not worst.decision.admit) and admitted[0]
+        assert 0 < refused_looks < looks and unsound_control > 0, (refused_looks, looks, unsound_control)
+        # Committed, a refusal for a full fleet shuts the gate as the router's own refusals do.
+        router.update_replicas(fleet([400, 400]))
+        loop.gate.open()
+        decision = router.refusal_for_any_body(None)
+        assert decision is not None and decision.full and not loop.gate.closed()
+        assert isinstance(router.refuse(decision), admission.AdmissionRejected) and loop.gate.closed()
+        router.update_replicas(fleet([2, 3]))
+        assert router.refusal_for_any_body(None) is None
+
+    asyncio.run(go())

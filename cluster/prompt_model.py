@@ -62,11 +62,15 @@ class PromptModel(BaseModel):
     @property
     def best_relative_acceptance(self) -> float:
         """The most `relative_acceptance` gives any body (all its mass on the best-accepting domain)."""
-        return max(self.accept_len) * len(self.accept_len) / sum(self.accept_len)
+        return self.relative(max(self.accept_len))
 
     def relative_acceptance(self, body: dict) -> float:
         """`predict` over the domains' mean: above 1 for requests expected to accept better than most."""
-        return self.predict(body) * len(self.accept_len) / sum(self.accept_len)
+        return self.relative(self.predict(body))
+
+    def relative(self, accept_len: float) -> float:
+        """A mean accepted length over the domains' mean."""
+        return accept_len * len(self.accept_len) / sum(self.accept_len)
 
     def accuracy(self, texts: Sequence[str], labels: Sequence[str]) -> float:
         hits = [self.domains[int(np.argmax(self.domain_probs(t)))] == y for t, y in zip(texts, labels)]

@@ -186,17 +186,15 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         view = self._fleet(replicas) if replicas and self.loop is not None else None
         if view is None:
             return None
-        routed = route(
-            view.arrays,
-            (view.routed - view.baseline) * self.ingresses,
-            self.model.best_relative_acceptance,
+        routed = self._route(
+            view,
+            None,
+            acceptance=self.model.best_relative_acceptance,
+            prompt_tokens=0.0,
             loop=self.loop,
             config=self.admission,
-            prompt_tokens=0.0,
-            pending_prompt_tokens=view.prompts * self.ingresses,
             drain_rates=self.drain.rates(view.ids),
             slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
-            tie_ms=self.tie_ms,
             commit=False,
         )
         return None if routed.decision.admit else routed.decision
@@ -211,12 +209,18 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         view = self._fleet(replicas) if replicas else None
         return None if view is None else self._route(view, body).best
 
-    def _route(self, view: _FleetView, body: dict | None, **admission: Any) -> Route:
+    def _route(
+        self, view: _FleetView, body: dict | None, acceptance: float | None = None, prompt_tokens: float | None = None,
+        **admission: Any,
+    ) -> Route:
+        """`route` over `view` for `body`; `acceptance` and `prompt_tokens` in place of the body's when given."""
+        if acceptance is None:
+            acceptance = self.model.relative_acceptance(body) if body else 1.0
         return route(
             view.arrays,
             (view.routed - view.baseline) * self.ingresses,
-            self.model.relative_acceptance(body) if body else 1.0,
-            prompt_tokens=self._prompt_tokens(body),
+            acceptance,
+            prompt_tokens=self._prompt_tokens(body) if prompt_tokens is None else prompt_tokens,
             pending_prompt_tokens=view.prompts * self.ingresses,
             tie_ms=self.tie_ms,
             **admission,

@@ -446,7 +446,7 @@ def test_the_router_refuses_before_the_body_only_where_it_would_refuse_every_bod
         bodies = [code, {"prompt": "def f(x):\n" + "    y = x + 1\n" * 300}, {"prompt": "The history of the river valley is"},
                   {"messages": [{"role": "user", "content": "Tell me about rivers."}]}]
         looks = refused_looks = unsound_control = 0
-        worst_acceptance = min(router.model.accept_len) * len(router.model.accept_len) / sum(router.model.accept_len)
+        worst_acceptance = router.model.relative(min(router.model.accept_len))
         for loads in ([2, 3], [12, 10], [30, 20], [45, 40], [64, 60]):
             replicas = fleet(loads)
             router.update_replicas(replicas)

@@ -1,7 +1,8 @@
 """`forespark models bench` through the real vLLM CPU engine: greedy and sampled acceptance of the embedded pair."""
 
 from replicas.engine import EngineConfig, cpu_engine_environment
-from replicas.models.bench import format_models_bench, repeated_ngram_share, run_models_bench
+from replicas.models.bench import format_models_bench, run_models_bench
+from replicas.models.unlikelihood import repeated_ngram_share
 
 cpu_engine_environment()
 

@@ -26,8 +26,9 @@ from replicas.models.distill import (
 )
 from replicas.models.dflash import DFlashDrafter
 from replicas.models.licences import expression_permitted, licence_of
-from replicas.models.spec import BuildSpec, CorpusSpec, DrafterSpec, TargetSpec, TrainSpec, load_spec
+from replicas.models.spec import BuildSpec, CorpusSpec, DrafterSpec, PolishSpec, TargetSpec, TrainSpec, load_spec
 from replicas.models.target import TargetTrainer, new_target
+from replicas.models.unlikelihood import repeated_ngram_mask, unlikelihood_loss
 
 torch.set_num_threads(1)
 
@@ -558,6 +559,77 @@ def test_a_finished_drafter_trains_on_through_a_warm_restart(tmp_path, monkeypat
     assert weights("fresh") != weights("one-cycle")  # control: the restart changes the schedule
     assert (tmp_path / "continued" / "target" / "model.safetensors").read_bytes() == \
         (tmp_path / "short" / "target" / "model.safetensors").read_bytes()
+
+
+def with_polish(unlikelihood_steps: int = 3) -> BuildSpec:
+    spec = tiny_spec()
+    spec.polish = PolishSpec(unlikelihood_steps=unlikelihood_steps, unlikelihood_prefixes=2, unlikelihood_prefix_len=6,
+                             unlikelihood_new_tokens=10, unlikelihood_mle_batch=2, eval_every=2, drafter_steps=3)
+    return spec
+
+
+def test_a_finished_build_takes_on_the_polish_stage_and_lands_where_a_build_with_it_lands(tmp_path, monkeypatch):
+    """The polish stage (the target's unlikelihood training, its new continuations, the drafter trained on) runs on a
+    finished build with --resume, survives an interruption in each of its phases, and gives the models a build with
+    the stage from the start gives."""
+    monkeypatch.setattr(build_mod, "load_corpus", tiny_corpus)
+    quiet = lambda _msg: None  # noqa: E731
+    cdir = tmp_path / "ckpt"
+    build_mod.build(tmp_path / "plain", tiny_spec(), checkpoint_dir=cdir, log=quiet)
+    for stop in (("unlikelihood", 2), ("polish_continuations", 2), ("polish_drafter", 1)):
+        with pytest.raises(build_mod.Interrupted):
+            build_mod.build(tmp_path / "polished", with_polish(), checkpoint_dir=cdir, resume=True, log=quiet,
+                            stop_after=lambda p, s, stop=stop: (p, s) == stop)
+        assert ckpt.load(cdir / ckpt.STATE_FILE)["phase"] == stop[0]
+    with pytest.raises(ValueError, match="polish settings"):  # once the stage has started its settings hold
+        build_mod.check_resumable(ckpt.load(cdir / ckpt.STATE_FILE), with_polish(unlikelihood_steps=4))
+    said: list[str] = []
+    report = build_mod.build(tmp_path / "polished", with_polish(), checkpoint_dir=cdir, resume=True, log=said.append)
+    assert any("resuming at polish_drafter" in m for m in said), said
+    fresh = build_mod.build(tmp_path / "fresh", with_polish(), log=quiet)
+
+    weights = lambda name, part: (tmp_path / name / part / "model.safetensors").read_bytes()  # noqa: E731
+    for part in ("target", "drafter"):
+        assert weights("polished", part) == weights("fresh", part), part
+        assert weights("polished", part) != weights("plain", part), part  # control: the stage changed both models
+    assert report.domains == fresh.domains and report.domains["code"].greedy_repeated_4grams is not None
+    progress = (cdir / "progress.jsonl").read_text()
+    assert '"loops"' in progress and '"phase": "unlikelihood"' in progress
+    for stage in ("unlikelihood", "polish_continuations", "polish_drafter"):
+        assert (cdir / f"{stage}-done.compact.pt").is_file()
+    # A compact checkpoint of the stage resumes too (float16 weights): close to the full run, not identical.
+    close = build_mod.build(tmp_path / "from-compact", with_polish(), resume_from=cdir / "polish_continuations-done.compact.pt", log=quiet)
+    assert abs(close.domains["code"].perplexity - report.domains["code"].perplexity) < 0.02 * report.domains["code"].perplexity
+
+
+def test_repeated_ngram_mask_marks_the_repeated_grams_after_the_prompt():
+    seqs = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]])
+    assert repeated_ngram_mask(seqs, start=0).tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8]  # control row: no repeat
+    assert repeated_ngram_mask(seqs, start=6).tolist() == [[0, 0, 0, 0, 0, 0, 1, 1], [0] * 8]
+    assert repeated_ngram_mask(torch.tensor([[9, 1, 2, 3, 4, 1, 2, 3]]), start=0).tolist() == [[0] * 8]  # 3 tokens: no 4-gram
+
+
+def test_the_unlikelihood_step_lowers_the_repeated_tokens_probability():
+    """One gradient step on the unlikelihood loss makes the model less likely to repeat a loop; control: a step on
+    the same sequence's likelihood makes it more likely."""
+    seqs = torch.tensor([[7, 8, 9] + [11, 12, 13, 14] * 4])
+    mask = repeated_ngram_mask(seqs, start=3)[:, 1:].bool()
+
+    def repeat_probability(model) -> float:
+        with torch.no_grad():
+            p = torch.softmax(model(input_ids=seqs).logits[:, :-1], -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+        return float(p[mask].mean())
+
+    moved = {}
+    for name in ("unlikelihood", "likelihood"):
+        model = new_target(TINY_TARGET, 0, 0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        before = repeat_probability(model)
+        loss = unlikelihood_loss(model, seqs, start=3)[0] if name == "unlikelihood" else model(input_ids=seqs, labels=seqs).loss
+        loss.backward()
+        opt.step()
+        moved[name] = repeat_probability(model) - before
+    assert moved["unlikelihood"] < 0 < moved["likelihood"], moved
 
 
 def test_drafter_restarts_restart_the_schedule_inside_the_run():

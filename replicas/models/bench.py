@@ -28,16 +28,11 @@ from pydantic import BaseModel
 
 from replicas.engine import DrafterConfig, EngineConfig, make_llm
 from replicas.models.corpus import DOMAINS
+from replicas.models.unlikelihood import repeated_ngram_share
 from replicas.models.workloads import load_workloads
 
 
 LOOP_TOKENS = 128
-
-
-def repeated_ngram_share(tokens: list[int], n: int = 4) -> float:
-    """Share of the n-grams of `tokens` that already occurred earlier in `tokens` (0: none repeats)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 class SpecCounters(BaseModel):

@@ -8,7 +8,8 @@ and `<out>/SHA256SUMS`.
 
 With a checkpoint folder the build is resumable: it writes the full state
 (`checkpoint.py`) there every `checkpoint_minutes` and at the end of each phase
-(target -> continuations -> drafter -> evaluation), on SIGTERM/SIGINT too, plus
+(target -> continuations -> drafter -> [polish: unlikelihood ->
+polish_continuations -> polish_drafter] -> evaluation), on SIGTERM/SIGINT too, plus
 a compact copy at the end of each phase (`<phase>-done.compact.pt`), and
 `progress.jsonl` (loss, learning rate, periodic held-out evaluation). `resume`
 continues from the folder's state (when it has one, even with `resume_from`); `resume_from` from a
@@ -47,10 +48,12 @@ from replicas.models.distill import (
 from replicas.models.spec import BuildSpec, TrainSpec
 from replicas.models.target import TargetTrainer, decay_start, held_out_perplexity, new_target
 from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, tokenizer_training_texts, train_tokenizer
+from replicas.models.unlikelihood import UnlikelihoodTrainer, loop_share, repeated_ngram_share
 
 from replicas.models import WEIGHTS_DIR  # noqa: E402,F401 (where the build writes and callers find the pair)
 from replicas.models.report import BuildReport, DomainQuality  # noqa: E402,F401 (what a build writes)
-PHASES = ("target", "continuations", "drafter", "evaluation")
+PHASES = ("target", "continuations", "drafter", "unlikelihood", "polish_continuations", "polish_drafter", "evaluation")
+POLISH_PHASES = PHASES[3:6]
 
 
 def _sha256(path: Path) -> str:
@@ -130,24 +133,29 @@ def _drafter_extended(saved: TrainSpec, new: TrainSpec, changed: list[str]) -> b
 
 
 def check_resumable(state: dict, spec: BuildSpec) -> None:
-    """A checkpoint continues under the spec that wrote it. Two kinds of change are allowed: more (or fewer)
+    """A checkpoint continues under the spec that wrote it. These changes are allowed: more (or fewer)
     `train.target_steps` for a `wsd` schedule with explicit `warmup_steps` while the run is still in the
-    constant part under both step counts, any drafter-phase setting (`drafter.*`, `train.drafter_*`,
+    constant part under both step counts; any drafter-phase setting (`drafter.*`, `train.drafter_*`,
     `train.kl_weight`) before the drafter phase has started, and after it a longer drafter run that restarts
-    its schedule where the saved one ends (`_drafter_extended`)."""
+    its schedule where the saved one ends (`_drafter_extended`), until the polish stage starts; any `polish.*`
+    setting until the polish stage starts (a finished build takes it on)."""
     saved = BuildSpec.model_validate(state["spec"])
     diffs = {d.split(":")[0]: d for d in _spec_differences(saved, spec)}
     # bfloat16 autocast is a speed setting (emulated, ~10x slower, on a CPU without AVX512-BF16): any resume may change it.
     other = [d for k, d in diffs.items()
-             if k not in ("train.target_steps", "train.bf16_autocast") and not _drafter_phase_setting(k)]
+             if k not in ("train.target_steps", "train.bf16_autocast") and not _drafter_phase_setting(k) and not k.startswith("polish.")]
     if other:
         raise ValueError("the checkpoint was written under another spec: " + "; ".join(other))
     phase = state["phase"]
-    drafter_started = phase == "evaluation" or (phase == "drafter" and "drafter" in state)
+    polish_started = phase in POLISH_PHASES or "polish" in state
+    polish_changed = [k for k in diffs if k.startswith("polish.")]
+    if polish_changed and polish_started:
+        raise ValueError(f"polish settings ({', '.join(polish_changed)}) can change only before the polish stage starts")
+    drafter_started = PHASES.index(phase) > PHASES.index("drafter") or (phase == "drafter" and "drafter" in state)
     changed = [k for k in diffs if _drafter_phase_setting(k)]
-    if changed and drafter_started and not _drafter_extended(saved.train, spec.train, changed):
+    if changed and drafter_started and (polish_started or not _drafter_extended(saved.train, spec.train, changed)):
         raise ValueError(f"drafter-phase settings ({', '.join(changed)}) can change only before the drafter phase, "
-                         "except a longer run whose restarts add the saved run's last step")
+                         "except a longer run whose restarts add the saved run's last step, before the polish stage")
     if saved.train.target_steps != spec.train.target_steps:
         if phase != "target":
             raise ValueError("train.target_steps can change only while the target trains")
@@ -220,18 +228,36 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
+def polish_drafter_train(spec: BuildSpec) -> TrainSpec:
+    """The polish stage's drafter schedule: one cycle of `polish.drafter_steps` at `polish.drafter_lr`, at the code
+    share and KL weight of the main schedule's last cycle."""
+    t, last = spec.train, len(spec.train.drafter_restarts)
+    return t.model_copy(update={
+        "drafter_steps": spec.polish.drafter_steps, "drafter_lr": spec.polish.drafter_lr, "drafter_restarts": [],
+        "drafter_cycle_code_shares": [t.drafter_code_share(last)], "drafter_cycle_kl_weights": [t.drafter_kl_weight(last)],
+    })
+
+
 def remaining_estimate(spec: BuildSpec, unit: dict[str, float], phase: str, target_step: int = 0, drafter_step: int = 0) -> dict[str, float]:
-    """Seconds left per phase from `unit` (estimate_seconds) at a position of the build."""
-    t = spec.train
+    """Seconds left per phase from `unit` (estimate_seconds) at a position of the build (the step counts are those of
+    the phase under way)."""
+    t, p = spec.train, spec.polish
     batches = math.ceil(t.distill_prompts * (1 - t.distill_sampled_share) / t.distill_gen_batch) + math.ceil(
         t.distill_prompts * t.distill_sampled_share / t.distill_gen_batch
     )
     gen = batches * unit["gen_prefill"] + batches * t.distill_new_tokens * unit["gen_token"]
     order = PHASES.index(phase)
+    # A polish step: a likelihood batch, a greedy continuation of its prefixes, and the unlikelihood pass over them.
+    ul_step = unit["target_step"] * (p.unlikelihood_mle_batch * t.seq_len + p.unlikelihood_prefixes
+                                     * (p.unlikelihood_prefix_len + p.unlikelihood_new_tokens)) / (t.target_batch * t.seq_len)
+    ul_step += unit["gen_prefill"] + p.unlikelihood_new_tokens * unit["gen_token"]
     out = {
         "target": (t.target_steps - target_step) * unit["target_step"] if order == 0 else 0.0,
         "continuations": gen if order <= 1 else 0.0,
         "drafter": (t.drafter_steps - drafter_step) * unit["drafter_step"] if order <= 2 else 0.0,
+        "unlikelihood": (p.unlikelihood_steps - (target_step if order == 3 else 0)) * ul_step if p.active and order <= 3 else 0.0,
+        "polish_continuations": gen if p.active and order <= 4 else 0.0,
+        "polish_drafter": (p.drafter_steps - (drafter_step if order == 5 else 0)) * unit["drafter_step"] if p.active and order <= 5 else 0.0,
         # two domains: 32 greedy + 32 sampled continuations each, perplexity windows, acceptance
         "evaluation": 4 * (unit["gen_prefill"] + t.distill_new_tokens * unit["gen_token"]) * 32 / min(t.distill_gen_batch, t.distill_prompts)
         + 8 * unit["target_step"],
@@ -308,6 +334,8 @@ def build(
             done_at = int(state["drafter"].get("step", BuildSpec.model_validate(state["spec"]).train.drafter_steps))
             if done_at < spec.train.drafter_steps:  # a longer drafter run: back to its training (`_drafter_extended`)
                 state = {**state, "phase": "drafter", "drafter": {**state["drafter"], "finished": True, "step": done_at}}
+            elif spec.polish.active and "polish" not in state:  # a finished build takes on the polish stage
+                state = {**state, "phase": "unlikelihood"}
         where = state["phase"] + (f" step {state['target']['step']}" if state["phase"] == "target" else "")
         where += f" step {state['drafter']['step']}" if state["phase"] == "drafter" and "drafter" in state else ""
         log(f"resuming at {where}" + (" (from a compact checkpoint: AdamW first moments re-warm)" if state.get("resumed_from_compact") else ""))
@@ -358,8 +386,10 @@ def build(
     unit = estimate_seconds(spec, eos_id, mask_id)
     left = remaining_estimate(
         spec, unit, phase,
-        target_step=int(state["target"]["step"]) if state and phase == "target" else 0,
-        drafter_step=int(state["drafter"]["step"]) if state and phase == "drafter" and "drafter" in state else 0,
+        target_step=int(state["target"]["step"]) if state and phase == "target"
+        else int(state["polish"]["unlikelihood"]["step"]) if state and phase == "unlikelihood" and "unlikelihood" in state.get("polish", {}) else 0,
+        drafter_step=int(state["drafter"]["step"]) if state and phase == "drafter" and "drafter" in state
+        else int(state["polish"]["drafter"]["step"]) if state and phase == "polish_drafter" and "drafter" in state.get("polish", {}) else 0,
     )
     log(
         f"estimated time left on {torch.get_num_threads()} thread(s): "
@@ -413,31 +443,60 @@ def build(
         def should_stop(phase_now: str, step: int) -> bool:
             return stop.requested or (stop_after is not None and stop_after(phase_now, step))
 
+        def run_trainer(trainer, phase_now: str, total: int, save_with: Callable[[dict], None],
+                        after_step: Callable[[tqdm, float], None] | None = None) -> None:
+            """Steps `trainer` to its end, saving its state through `save_with` on the clock and on a stop request."""
+            with tqdm(total=total, initial=trainer.step, desc=phase_now, unit="step", smoothing=0.02) as bar:
+                while not trainer.done:
+                    loss = trainer.run_step()
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                    if trainer.step % 25 == 0:
+                        record({"phase": phase_now, "step": trainer.step, "loss": float(np.mean(trainer.losses[-25:])),
+                                "lr": float(trainer.opt.opt.param_groups[0]["lr"]),
+                                "seconds": seconds.get(phase_now, 0.0) + time.time() - mark})
+                    if after_step is not None:
+                        after_step(bar, loss)
+                    stopping = should_stop(phase_now, trainer.step)
+                    if trainer.done:
+                        break
+                    if clock.due() or stopping:
+                        save_with(trainer.state_dict())
+                    if stopping:
+                        raise Interrupted(f"stopped at {phase_now} step {trainer.step}; state in {checkpoint_dir}")
+
+        def run_continuations(phase_now: str, done: dict, save_with: Callable[[dict], None]) -> tuple[torch.Tensor, torch.Tensor]:
+            """The target's continuations of the drafter's training prompts; `done` holds batches from a checkpoint."""
+            done = {k: v.long() for k, v in done.items() if isinstance(k, int)}
+            prompts, sampled = continuation_plan(streams, spec.train)
+            n_batches = len(continuation_batches(prompts, sampled, spec.train.distill_gen_batch))
+
+            def on_batch(b: int, seqs: torch.Tensor) -> None:
+                done[b] = seqs
+                stopping = should_stop(phase_now, len(done))
+                if len(done) < n_batches and (clock.due() or stopping):
+                    save_with(dict(done))
+                if stopping and len(done) < n_batches:
+                    raise Interrupted(f"stopped after {len(done)} of {n_batches} continuation batches; state in {checkpoint_dir}")
+
+            with tqdm(total=len(prompts), desc=f"{phase_now} (target)", unit="seq") as bar:
+                return target_continuations(target, streams, spec.train, bar.update, done=done, on_batch=on_batch)
+
         if phase == "target":
             trainer = TargetTrainer(target, streams, spec.train)
             if state is not None:
                 trainer.load_state_dict(state["target"])
             unigram = streams.unigram_log_probs(spec.target.vocab_size) if spec.train.eval_every else None
-            with tqdm(total=spec.train.target_steps, initial=trainer.step, desc="target", unit="step", smoothing=0.02) as bar:
-                while not trainer.done:
-                    loss = trainer.run_step()
-                    bar.update()
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{trainer.lr:.2e}")
-                    if trainer.step % 25 == 0:
-                        record({"phase": "target", "step": trainer.step, "loss": float(np.mean(trainer.losses[-25:])), "lr": trainer.lr,
-                                "seconds": seconds.get("target", 0.0) + time.time() - mark})
-                    if spec.train.eval_every and trainer.step % spec.train.eval_every == 0:
-                        q = held_out_perplexity(target, streams, spec.train.seq_len, spec.train.eval_windows, unigram=unigram)
-                        record({"phase": "target", "step": trainer.step, "eval": q})
-                        bar.write(f"step {trainer.step}: held-out " + ", ".join(
-                            f"{d} perplexity {v['perplexity']:.2f} ({v.get('bits_per_char', float('nan')):.3f} bits/char)" for d, v in q.items()))
-                    stopping = should_stop("target", trainer.step)
-                    if trainer.done:
-                        break
-                    if clock.due() or stopping:
-                        save("target", target=trainer.state_dict())
-                    if stopping:
-                        raise Interrupted(f"stopped at target step {trainer.step}; state in {checkpoint_dir}")
+
+            def target_eval(bar: tqdm, _loss: float) -> None:
+                bar.set_postfix(loss=f"{_loss:.3f}", lr=f"{trainer.lr:.2e}")
+                if spec.train.eval_every and trainer.step % spec.train.eval_every == 0:
+                    q = held_out_perplexity(target, streams, spec.train.seq_len, spec.train.eval_windows, unigram=unigram)
+                    record({"phase": "target", "step": trainer.step, "eval": q})
+                    bar.write(f"step {trainer.step}: held-out " + ", ".join(
+                        f"{d} perplexity {v['perplexity']:.2f} ({v.get('bits_per_char', float('nan')):.3f} bits/char)" for d, v in q.items()))
+
+            run_trainer(trainer, "target", spec.train.target_steps, lambda part: save("target", target=part), target_eval)
             target.eval()
             target_losses = trainer.losses
             phase = "continuations"
@@ -451,21 +510,10 @@ def build(
         target_part = {"weights": target.state_dict(), "losses": target_losses} if not reuse_target else None
 
         if phase == "continuations":
-            done = {k: v for k, v in (state or {}).get("continuations", {}).items() if isinstance(k, int)}
-            done = {k: v.long() for k, v in done.items()}
-            prompts, sampled = continuation_plan(streams, spec.train)
-            n_batches = len(continuation_batches(prompts, sampled, spec.train.distill_gen_batch))
-
-            def on_batch(b: int, seqs: torch.Tensor) -> None:
-                done[b] = seqs
-                stopping = should_stop("continuations", len(done))
-                if len(done) < n_batches and (clock.due() or stopping):
-                    save("continuations", target=target_part, continuations=dict(done))
-                if stopping and len(done) < n_batches:
-                    raise Interrupted(f"stopped after {len(done)} of {n_batches} continuation batches; state in {checkpoint_dir}")
-
-            with tqdm(total=len(prompts), desc="target continuations", unit="seq") as bar:
-                sequences, sampled = target_continuations(target, streams, spec.train, bar.update, done=done, on_batch=on_batch)
+            sequences, sampled = run_continuations(
+                "continuations", (state or {}).get("continuations", {}),
+                lambda done: save("continuations", target=target_part, continuations=done),
+            )
             phase = "drafter"
             save(phase, stage_done="continuations", target=target_part, continuations={"sequences": sequences, "sampled": sampled})
         else:
@@ -486,29 +534,75 @@ def build(
                 else:
                     trainer.load_state_dict(part)
                 torch.set_rng_state(state["torch_rng"])
-            with tqdm(total=spec.train.drafter_steps, initial=trainer.step, desc="drafter", unit="step", smoothing=0.02) as bar:
-                while not trainer.done:
-                    loss = trainer.run_step()
-                    bar.update()
-                    bar.set_postfix(loss=f"{loss:.3f}")
-                    if trainer.step % 25 == 0:
-                        record({"phase": "drafter", "step": trainer.step, "loss": float(np.mean(trainer.losses[-25:]))})
-                    stopping = should_stop("drafter", trainer.step)
-                    if trainer.done:
-                        break
-                    if clock.due() or stopping:
-                        save("drafter", target=target_part, continuations=continuations_part, drafter=trainer.state_dict())
-                    if stopping:
-                        raise Interrupted(f"stopped at drafter step {trainer.step}; state in {checkpoint_dir}")
+            run_trainer(trainer, "drafter", spec.train.drafter_steps,
+                        lambda part: save("drafter", target=target_part, continuations=continuations_part, drafter=part))
             drafter.eval()
-            drafter_losses = trainer.losses
-            phase = "evaluation"
-            save(phase, stage_done="drafter", target=target_part, continuations=continuations_part,
-                 drafter={"weights": drafter.state_dict(), "losses": drafter_losses, "step": trainer.step})
+            drafter_part = {"weights": drafter.state_dict(), "losses": trainer.losses, "step": trainer.step}
+            phase = "unlikelihood" if spec.polish.active else "evaluation"
+            save(phase, stage_done="drafter", target=target_part, continuations=continuations_part, drafter=drafter_part)
         else:
-            drafter.load_state_dict(state["drafter"]["weights"])
+            drafter_part = state["drafter"]
+            drafter.load_state_dict(drafter_part["weights"])
             drafter.eval()
-            drafter_losses = list(state["drafter"]["losses"])
+        drafter_losses = list(drafter_part["losses"])
+
+        if spec.polish.active:
+            polish = spec.polish
+            polished = dict((state or {}).get("polish", {}))
+
+            def save_polish(phase_now: str, stage_done: str | None = None, **parts) -> None:
+                save(phase_now, stage_done, target=target_part, continuations=continuations_part, drafter=drafter_part,
+                     polish={**polished, **parts})
+
+            if phase == "unlikelihood":
+                trainer = UnlikelihoodTrainer(target, streams, polish, spec.train)
+                if "unlikelihood" in polished:
+                    trainer.load_state_dict(polished["unlikelihood"])
+
+                def polish_eval(bar: tqdm, _loss: float) -> None:
+                    bar.set_postfix(loss=f"{_loss:.3f}", repeated=f"{trainer.repeated[-1]:.2f}")
+                    if polish.eval_every and trainer.step % polish.eval_every == 0:
+                        q, loops = held_out_perplexity(target, streams, spec.train.seq_len, spec.train.eval_windows), loop_share(target, streams, polish)
+                        record({"phase": "unlikelihood", "step": trainer.step, "eval": q, "loops": loops})
+                        bar.write(f"step {trainer.step}: held-out " + ", ".join(
+                            f"{d} perplexity {q[d]['perplexity']:.2f}, repeated 4-grams {loops[d]:.1%}" for d in q))
+
+                run_trainer(trainer, "unlikelihood", polish.unlikelihood_steps, lambda part: save_polish("unlikelihood", unlikelihood=part),
+                            polish_eval)
+                target.eval()
+                polished = {"target": {"weights": target.state_dict(), "losses": trainer.losses, "repeated": trainer.repeated}}
+                phase = "polish_continuations"
+                save_polish(phase, stage_done="unlikelihood")
+            else:
+                target.load_state_dict(polished["target"]["weights"])
+                target.eval()
+            target.save_pretrained(str(out_dir / "target"), safe_serialization=True)
+
+            if phase == "polish_continuations":
+                sequences, sampled = run_continuations(
+                    "polish_continuations", polished.get("continuations", {}),
+                    lambda done: save_polish("polish_continuations", continuations=done),
+                )
+                polished["continuations"] = {"sequences": sequences, "sampled": sampled}
+                phase = "polish_drafter"
+                save_polish(phase, stage_done="polish_continuations")
+            else:
+                sequences = polished["continuations"]["sequences"].long()
+
+            if phase == "polish_drafter":
+                trainer = DrafterTrainer(drafter, target, sequences, spec.drafter, polish_drafter_train(spec), mask_id, streams)
+                if "drafter" in polished:
+                    trainer.load_state_dict(polished["drafter"])
+                    torch.set_rng_state(state["torch_rng"])
+                run_trainer(trainer, "polish_drafter", polish.drafter_steps, lambda part: save_polish("polish_drafter", drafter=part))
+                drafter.eval()
+                polished["drafter"] = {"weights": drafter.state_dict(), "losses": trainer.losses, "step": trainer.step}
+                phase = "evaluation"
+                save_polish(phase, stage_done="polish_drafter")
+            else:
+                drafter.load_state_dict(polished["drafter"]["weights"])
+                drafter.eval()
+            drafter_losses = drafter_losses + list(polished["drafter"]["losses"])
     drafter.save(out_dir / "drafter", vocab_size=spec.target.vocab_size, mask_token_id=mask_id, max_positions=spec.target.max_positions)
 
     mark = time.time()
@@ -548,6 +642,7 @@ def evaluate_models(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=spec.train.distill_new_tokens,
             min_new_tokens=spec.train.distill_new_tokens, do_sample=False, pad_token_id=target.config.eos_token_id,
         )
+        loops = float(np.mean([repeated_ngram_share(row) for row in seqs[:, spec.train.distill_prompt_len:].tolist()]))
         acc = offline_acceptance(drafter, target, seqs, spec.drafter, mask_id, start=spec.train.distill_prompt_len - 1)
         sampled = continue_batch(target, prompts, spec.train.model_copy(update={"distill_temperature": 1.0}), True,
                                  seed=spec.train.seed + 7 + DOMAINS.index(domain))
@@ -555,6 +650,7 @@ def evaluate_models(
         out[domain] = DomainQuality(
             **ppl[domain], offline_acceptance=acc.tolist(), offline_acceptance_t1=acc_t1.tolist(),
             chars_per_token=streams.chars_per_token(domain, "held_out") if streams.chars else None,
+            greedy_repeated_4grams=loops,
         )
     return out
 

@@ -3,10 +3,11 @@
 A checkpoint is one `torch.save`d dict (see `build.py` for what the phases put in it):
 
     format, kind ("full" | "compact"), spec (the BuildSpec as JSON data), phase
-    ("target" | "continuations" | "drafter" | "evaluation"), tokenizer (its JSON),
+    (one of build.PHASES), tokenizer (its JSON),
     torch_rng, seconds (per phase, summed over resumes), and per phase the trainer
     state (weights, AdamW state, LR-schedule position, the sampler's numpy RNG
-    state, the loss curve) or the phase's result.
+    state, the loss curve) or the phase's result; the polish stage's parts
+    (`unlikelihood`, `target`, `continuations`, `drafter`) under `polish`.
 
 Full checkpoints hold everything in float32 and resume bit for bit (one thread).
 Compact checkpoints (`compact()`) keep the weights in float16, AdamW's second
@@ -97,7 +98,9 @@ def _small_ids(t: torch.Tensor) -> torch.Tensor:
 
 def _map_phase_states(state: dict, weights, optimizer, ids) -> dict:
     out = dict(state)
-    for key in ("target", "drafter"):
+    if isinstance(state.get("polish"), dict):  # the polish stage's parts have the same forms
+        out["polish"] = _map_phase_states(state["polish"], weights, optimizer, ids)
+    for key in ("target", "drafter", "unlikelihood"):
         part = state.get(key)
         if not isinstance(part, dict):
             continue

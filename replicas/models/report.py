@@ -20,6 +20,8 @@ class DomainQuality(BaseModel):
     chars_per_token: float | None = None  # of the held-out text
     # E[first j greedy drafts accepted] by vLLM's rejection sampler at T=1 after the target's sampled text
     offline_acceptance_t1: list[float] = []
+    # share of repeated 4-grams in the target's greedy continuations of held-out prompts (loops)
+    greedy_repeated_4grams: float | None = None
 
     @property
     def mean_accepted_length(self) -> float:

@@ -149,11 +149,35 @@ class TrainSpec(BaseModel):
         return self.kl_weight if weight is None else weight
 
 
+class PolishSpec(BaseModel):
+    """A stage after the drafter's training: the target unlearns its greedy loops by sequence-level unlikelihood
+    (Welleck et al. 2020: each step, next-token likelihood on training text plus a penalty on the probability of
+    every token of a repeated 4-gram in its own greedy continuations of training prefixes), then the finished
+    drafter trains on against the changed target, on that target's new continuations, as its last cycle trained
+    (code share and KL weight). Off (0 steps) by default; a finished build takes it on with `--resume`."""
+
+    unlikelihood_steps: int = Field(default=0, ge=0, description="target steps of the stage (0: no polish stage)")
+    unlikelihood_lr: float = Field(default=5e-5, gt=0.0)
+    unlikelihood_weight: float = Field(default=0.5, ge=0.0, description="weight of the unlikelihood term")
+    unlikelihood_prefixes: int = Field(default=4, ge=1, description="training prefixes the target continues per step")
+    unlikelihood_prefix_len: int = Field(default=48, ge=4)
+    unlikelihood_new_tokens: int = Field(default=128, ge=4, description="greedy tokens per prefix, where loops are found")
+    unlikelihood_mle_batch: int = Field(default=8, ge=1, description="training windows of the likelihood term per step")
+    eval_every: int = Field(default=50, ge=0, description="held-out perplexity and loop share every this many steps (0: never)")
+    drafter_steps: int = Field(default=0, ge=0, description="drafter steps against the polished target (0: none)")
+    drafter_lr: float = Field(default=5e-4, gt=0.0)
+
+    @property
+    def active(self) -> bool:
+        return self.unlikelihood_steps > 0
+
+
 class BuildSpec(BaseModel):
     corpus: CorpusSpec = Field(default_factory=CorpusSpec)
     target: TargetSpec = Field(default_factory=TargetSpec)
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+    polish: PolishSpec = Field(default_factory=PolishSpec)
 
 
 def load_spec(name_or_path: str) -> BuildSpec:

@@ -1,0 +1,124 @@
+"""The target unlearns its greedy loops: sequence-level unlikelihood (Welleck et al. 2020, "Neural text
+generation with unlikelihood training", section 5.2).
+
+A small model trained by likelihood alone falls into loops under greedy decoding (`" 1, 1, 1,"`,
+`"import os\\nimport os\\n"`): each repetition makes the next one more likely. Each step here continues a few
+training prefixes greedily with the model itself, marks every token of a 4-gram that already occurred in the
+sequence, and lowers the probability of those tokens (the loss -log(1 - p)), while the likelihood of training
+text keeps the model a language model. Its held-out perplexity rises a little; that is the price.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from replicas.models.data import TokenStreams
+from replicas.models.optim import Optimiser
+from replicas.models.spec import PolishSpec, TrainSpec
+
+NGRAM = 4
+
+
+def repeated_ngram_share(tokens: list[int], n: int = NGRAM) -> float:
+    """Share of the n-grams of `tokens` that already occurred earlier in `tokens` (0: none repeats)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repeated_ngram_mask(seqs: torch.Tensor, start: int, n: int = NGRAM) -> torch.Tensor:
+    """[B, T] float: 1 on each token at position >= `start` of an n-gram that occurred earlier in its row."""
+    mask = torch.zeros(seqs.shape, dtype=torch.float32)
+    for b, row in enumerate(seqs.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for end in range(n, len(row) + 1):
+            gram = tuple(row[end - n:end])
+            if gram in seen and end > start:
+                mask[b, max(end - n, start):end] = 1.0
+            seen.add(gram)
+    return mask
+
+
+@torch.no_grad()
+def greedy_continuations(model, prefixes: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """[B, prefix + new_tokens]: the model's greedy continuation of each prefix, the end token not stopping it."""
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id,
+    )
+    model.train(was_training)
+    return out
+
+
+def unlikelihood_loss(model, seqs: torch.Tensor, start: int) -> tuple[torch.Tensor, float]:
+    """(-mean log(1 - p) over the tokens of repeated n-grams from `start` on, share of such tokens)."""
+    mask = repeated_ngram_mask(seqs, start)[:, 1:]
+    logits = model(input_ids=seqs).logits[:, :-1].float()
+    p = torch.softmax(logits, -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+    loss = -(torch.log((1 - p).clamp_min(1e-5)) * mask).sum() / mask.sum().clamp_min(1.0)
+    return loss, float(mask[:, start:].mean()) if mask.shape[1] > start else 0.0
+
+
+def loop_share(model, streams: TokenStreams, polish: PolishSpec, prompts: int = 16, seed: int = 8) -> dict[str, float]:
+    """Per domain: the share of repeated 4-grams in the model's greedy continuations of held-out prefixes (the
+    continuation only), as `forespark models bench` counts them on the shipped prompts."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for domain in streams.streams:
+        prefixes = torch.from_numpy(streams.windows(domain, "held_out", polish.unlikelihood_prefix_len, prompts, rng))
+        gen = greedy_continuations(model, prefixes, polish.unlikelihood_new_tokens)[:, polish.unlikelihood_prefix_len:]
+        shares = [repeated_ngram_share(row) for row in gen.tolist()]
+        out[domain] = float(np.mean(shares))
+    return out
+
+
+class UnlikelihoodTrainer:
+    """The polish stage's target training one step at a time, its whole state in `state_dict()` (see TargetTrainer)."""
+
+    def __init__(self, model, streams: TokenStreams, polish: PolishSpec, train: TrainSpec) -> None:
+        self.model, self.streams, self.polish, self.train = model, streams, polish, train
+        self.rng = np.random.default_rng([train.seed, 9])
+        warmup = 10
+        self.opt = Optimiser(model.parameters(), polish.unlikelihood_lr, 0.0, lambda s: min(1.0, (s + 1) / warmup))
+        self.step = 0
+        self.losses: list[float] = []
+        self.repeated: list[float] = []  # share of continuation tokens in repeated 4-grams, per step
+        model.train()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.polish.unlikelihood_steps
+
+    def run_step(self) -> float:
+        p, t = self.polish, self.train
+        text = torch.from_numpy(self.streams.mixed_windows(t.seq_len, p.unlikelihood_mle_batch, t.code_share, self.rng))
+        prefixes = torch.from_numpy(self.streams.mixed_windows(p.unlikelihood_prefix_len, p.unlikelihood_prefixes, t.code_share, self.rng))
+        seqs = greedy_continuations(self.model, prefixes, p.unlikelihood_new_tokens)
+        likelihood = self.model(input_ids=text, labels=text).loss
+        ul, repeated = unlikelihood_loss(self.model, seqs, p.unlikelihood_prefix_len)
+        self.losses.append(self.opt.step(likelihood + p.unlikelihood_weight * ul))
+        self.repeated.append(repeated)
+        self.step += 1
+        return self.losses[-1]
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "losses": list(self.losses),
+            "repeated": list(self.repeated),
+            "rng": self.rng.bit_generator.state,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.opt.opt.state_dict(),
+            "scheduler": self.opt.sched.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.opt.load_state_dict(state["optimizer"])
+        self.opt.sched.load_state_dict(state["scheduler"])
+        self.rng.bit_generator.state = state["rng"]
+        self.step = int(state["step"])
+        self.losses = list(state["losses"])
+        self.repeated = list(state["repeated"])

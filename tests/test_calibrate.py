@@ -125,6 +125,28 @@ def test_step_cost_profiles_are_kept_apart_by_gpu_name(monkeypatch):
     assert profiler.profile_name(EngineConfig()) == h100
 
 
+def test_step_cost_profiles_are_kept_apart_by_the_weights_in_a_folder(tmp_path):
+    """A model folder rebuilt in place (a new shipped pair) gets another profile; the same bytes again, the same one."""
+    from replicas.wcs import profiler
+
+    model = tmp_path / "target"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 1024)
+    (model / "config.json").write_text('{"hidden_size": 256}')
+    config = EngineConfig(model=model, drafter=None, wcs=None)
+    before = profiler.profile_name(config)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last byte: the tail of the file is read
+    weights.write_bytes(bytes(data))
+    assert profiler.profile_name(config) != before
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert profiler.profile_name(config) == before  # control: the bytes, not the write, decide
+    (model / "config.json").write_text('{"hidden_size": 384}')
+    assert profiler.profile_name(config) != before
+
+
 def test_gpu_names_follow_cuda_visible_devices(monkeypatch, tmp_path):
     """A stand-in `nvidia-smi` on PATH (no GPU here) lists two GPUs; the process sees the one it is given."""
     from replicas.wcs import profiler

@@ -230,11 +230,12 @@ def format_duration(seconds: float) -> str:
 
 def polish_drafter_train(spec: BuildSpec) -> TrainSpec:
     """The polish stage's drafter schedule: one cycle of `polish.drafter_steps` at `polish.drafter_lr`, at the code
-    share and KL weight of the main schedule's last cycle."""
-    t, last = spec.train, len(spec.train.drafter_restarts)
+    share (unless `polish.drafter_code_share`) and KL weight of the main schedule's last cycle."""
+    t, p, last = spec.train, spec.polish, len(spec.train.drafter_restarts)
+    share = t.drafter_code_share(last) if p.drafter_code_share is None else p.drafter_code_share
     return t.model_copy(update={
-        "drafter_steps": spec.polish.drafter_steps, "drafter_lr": spec.polish.drafter_lr, "drafter_restarts": [],
-        "drafter_cycle_code_shares": [t.drafter_code_share(last)], "drafter_cycle_kl_weights": [t.drafter_kl_weight(last)],
+        "drafter_steps": p.drafter_steps, "drafter_lr": p.drafter_lr, "drafter_restarts": [],
+        "drafter_cycle_code_shares": [share], "drafter_cycle_kl_weights": [t.drafter_kl_weight(last)],
     })
 
 
@@ -559,14 +560,17 @@ def build(
                 if "unlikelihood" in polished:
                     trainer.load_state_dict(polished["unlikelihood"])
 
-                def polish_eval(bar: tqdm, _loss: float) -> None:
-                    bar.set_postfix(loss=f"{_loss:.3f}", repeated=f"{trainer.repeated[-1]:.2f}")
+                def polish_eval(bar: tqdm | None = None, _loss: float = 0.0) -> None:
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{_loss:.3f}", repeated=f"{trainer.repeated[-1]:.2f}")
                     if polish.eval_every and trainer.step % polish.eval_every == 0:
                         q, loops = held_out_perplexity(target, streams, spec.train.seq_len, spec.train.eval_windows), loop_share(target, streams, polish)
                         record({"phase": "unlikelihood", "step": trainer.step, "eval": q, "loops": loops})
-                        bar.write(f"step {trainer.step}: held-out " + ", ".join(
+                        (bar.write if bar is not None else log)(f"step {trainer.step}: held-out " + ", ".join(
                             f"{d} perplexity {q[d]['perplexity']:.2f}, repeated 4-grams {loops[d]:.1%}" for d in q))
 
+                if trainer.step == 0:
+                    polish_eval()  # where the stage starts from
                 run_trainer(trainer, "unlikelihood", polish.unlikelihood_steps, lambda part: save_polish("unlikelihood", unlikelihood=part),
                             polish_eval)
                 target.eval()

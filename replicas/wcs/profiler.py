@@ -66,11 +66,30 @@ def machine() -> str:
     return f"{platform.machine()}|{cpu}|{os.cpu_count()}|gpus={gpus}|OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}"
 
 
+def weights_fingerprint(path: Path | str) -> str:
+    """What tells a model folder's weights apart, cheaply: each file's name and size and its first and last 64 KiB
+    (a folder rebuilt in place with another model gets another fingerprint; a hub name stands for itself)."""
+    folder, h = Path(path), hashlib.sha256()
+    if not folder.is_dir():
+        return str(path)
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(folder)}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 16))
+            if size > 1 << 16:
+                fh.seek(max(size - (1 << 16), 1 << 16))
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
 def profile_name(config) -> str:
     """The file name of the step-cost profile of an EngineConfig on this machine (WCS settings aside)."""
     # The executor backend is left out: a replica under Serve hands TP to Ray, `forespark calibrate` to vLLM's choice.
     key = config.model_dump(mode="json", exclude={"wcs", "seed", "distributed_executor_backend"})
-    digest = hashlib.sha256(json.dumps([key, machine(), PROFILE_VERSION], sort_keys=True).encode()).hexdigest()[:16]
+    # The weights, not only their paths: a pair replaced in place (a new shipped pair) must not be priced by the old one's steps.
+    weights = [weights_fingerprint(config.model)] + ([weights_fingerprint(config.drafter.path)] if config.drafter else [])
+    digest = hashlib.sha256(json.dumps([key, weights, machine(), PROFILE_VERSION], sort_keys=True).encode()).hexdigest()[:16]
     return f"{digest}.json"
 
 

@@ -28,7 +28,7 @@ from replicas.models.dflash import DFlashDrafter
 from replicas.models.licences import expression_permitted, licence_of
 from replicas.models.spec import BuildSpec, CorpusSpec, DrafterSpec, PolishSpec, TargetSpec, TrainSpec, load_spec
 from replicas.models.target import TargetTrainer, new_target
-from replicas.models.unlikelihood import repeated_ngram_mask, unlikelihood_loss
+from replicas.models.unlikelihood import continuation_loop_share, repeated_ngram_mask, unlikelihood_loss
 
 torch.set_num_threads(1)
 
@@ -607,6 +607,15 @@ def test_repeated_ngram_mask_marks_the_repeated_grams_after_the_prompt():
     assert repeated_ngram_mask(seqs, start=0).tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8]  # control row: no repeat
     assert repeated_ngram_mask(seqs, start=6).tolist() == [[0, 0, 0, 0, 0, 0, 1, 1], [0] * 8]
     assert repeated_ngram_mask(torch.tensor([[9, 1, 2, 3, 4, 1, 2, 3]]), start=0).tolist() == [[0] * 8]  # 3 tokens: no 4-gram
+
+
+def test_the_loop_share_stops_where_serving_stops_and_weighs_by_length():
+    loop, fresh = [5, 6, 7, 8] * 4, list(range(10, 26))
+    assert continuation_loop_share([fresh], eos_id=0) == 0.0
+    assert continuation_loop_share([[0] + loop], eos_id=0) == 0.0  # the end token first: nothing follows
+    assert continuation_loop_share([fresh + [0] + loop], eos_id=0) == 0.0  # the loop after the end is not served
+    both = continuation_loop_share([loop, fresh[:8]], eos_id=0)
+    assert both == pytest.approx(9 / 18)  # 9 of the loop's 13 grams repeat (4 distinct); 13 + 5 grams in all
 
 
 def test_the_unlikelihood_step_lowers_the_repeated_tokens_probability():

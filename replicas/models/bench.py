@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from replicas.engine import DrafterConfig, EngineConfig, make_llm
 from replicas.models.corpus import DOMAINS
-from replicas.models.unlikelihood import repeated_ngram_share
+from replicas.models.unlikelihood import continuation_loop_share
 from replicas.models.workloads import load_workloads
 
 
@@ -78,7 +78,7 @@ class DomainBench(BaseModel):
     # Same anchors for every width: accepted drafts of the first verification after prefill of
     # prefixes of the greedy continuations (free-running steps start at different places per width).
     anchored_accepted: dict[str, list[int]] = {}
-    # Greedy only: repeated 4-grams among all of the domain's LOOP_TOKENS-token continuations (see repeated_ngram_share).
+    # Greedy only: repeated 4-grams among all of the domain's LOOP_TOKENS-token continuations (see unlikelihood.continuation_loop_share).
     repeated_4gram_share: float | None = None
 
     def anchored_gap(self, w: int, block: int) -> float:
@@ -144,9 +144,7 @@ def run_models_bench(
             if loops[domain] is None:
                 long = llm.generate([p.prompt for p in prompts[domain]], SamplingParams(temperature=0.0, max_tokens=LOOP_TOKENS),
                                     use_tqdm=False)
-                grams = [repeated_ngram_share(list(o.outputs[0].token_ids)) for o in long]
-                counts = [max(len(o.outputs[0].token_ids) - 3, 0) for o in long]
-                loops[domain] = float(np.average(grams, weights=counts)) if sum(counts) else 0.0
+                loops[domain] = continuation_loop_share([list(o.outputs[0].token_ids) for o in long], llm.get_tokenizer().eos_token_id)
             if domain not in prefixes:  # greedy: every width continues the same way
                 prefixes[domain] = [
                     list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:t]

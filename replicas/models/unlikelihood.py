@@ -61,16 +61,28 @@ def unlikelihood_loss(model, seqs: torch.Tensor, start: int) -> tuple[torch.Tens
     return loss, float(mask[:, start:].mean()) if mask.shape[1] > start else 0.0
 
 
+def until_end(tokens: list[int], eos_id: int) -> list[int]:
+    """`tokens` up to its first end token (where serving stops a greedy continuation)."""
+    return tokens[:tokens.index(eos_id)] if eos_id in tokens else tokens
+
+
+def continuation_loop_share(continuations: list[list[int]], eos_id: int) -> float:
+    """The share of repeated 4-grams over continuations cut at their end token, each weighted by its 4-grams, as
+    `forespark models bench` counts them on the shipped prompts."""
+    cut = [until_end(row, eos_id) for row in continuations]
+    weights = [max(len(row) - NGRAM + 1, 0) for row in cut]
+    return float(np.average([repeated_ngram_share(row) for row in cut], weights=weights)) if sum(weights) else 0.0
+
+
 def loop_share(model, streams: TokenStreams, polish: PolishSpec, prompts: int = 16, seed: int = 8) -> dict[str, float]:
-    """Per domain: the share of repeated 4-grams in the model's greedy continuations of held-out prefixes (the
-    continuation only), as `forespark models bench` counts them on the shipped prompts."""
+    """Per domain: the share of repeated 4-grams in the model's greedy continuations of held-out prefixes
+    (`continuation_loop_share`)."""
     rng = np.random.default_rng(seed)
     out = {}
     for domain in streams.streams:
         prefixes = torch.from_numpy(streams.windows(domain, "held_out", polish.unlikelihood_prefix_len, prompts, rng))
         gen = greedy_continuations(model, prefixes, polish.unlikelihood_new_tokens)[:, polish.unlikelihood_prefix_len:]
-        shares = [repeated_ngram_share(row) for row in gen.tolist()]
-        out[domain] = float(np.mean(shares))
+        out[domain] = continuation_loop_share(gen.tolist(), model.config.eos_token_id)
     return out
 
 

@@ -339,6 +339,8 @@ def build(
                 state = {**state, "phase": "unlikelihood"}
         where = state["phase"] + (f" step {state['target']['step']}" if state["phase"] == "target" else "")
         where += f" step {state['drafter']['step']}" if state["phase"] == "drafter" and "drafter" in state else ""
+        part = {"unlikelihood": "unlikelihood", "polish_drafter": "drafter"}.get(state["phase"])
+        where += f" step {state['polish'][part]['step']}" if part and part in state.get("polish", {}) else ""
         log(f"resuming at {where}" + (" (from a compact checkpoint: AdamW first moments re-warm)" if state.get("resumed_from_compact") else ""))
     seconds: dict[str, float] = dict(state["seconds"]) if state else {}
     resumes = int(state.get("resumes", 0)) + 1 if state else 0

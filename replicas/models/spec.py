@@ -154,7 +154,8 @@ class PolishSpec(BaseModel):
     (Welleck et al. 2020: each step, next-token likelihood on training text plus a penalty on the probability of
     every token of a repeated 4-gram in its own greedy continuations of training prefixes), then the finished
     drafter trains on against the changed target, on that target's new continuations, as its last cycle trained
-    (code share, unless `drafter_code_share` says otherwise, and KL weight). Off (0 steps) by default; a finished build takes it on with `--resume`."""
+    (code share, unless `drafter_code_share` says otherwise, and KL weight). Off (0 steps) by default; a finished
+    build takes it on with `--resume`."""
 
     unlikelihood_steps: int = Field(default=0, ge=0, description="target steps of the stage (0: no polish stage)")
     unlikelihood_lr: float = Field(default=5e-5, gt=0.0)

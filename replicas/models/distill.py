@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from replicas.models.data import TokenStreams
 from replicas.models.dflash import DFlashDrafter, target_features
-from replicas.models.optim import Optimiser
+from replicas.models.optim import Optimiser, TrainerState
 from replicas.models.spec import DrafterSpec, TrainSpec
 
 
@@ -128,7 +128,7 @@ def drafter_lr_factor(train: TrainSpec) -> Callable[[int], float]:
     return factor
 
 
-class DrafterTrainer:
+class DrafterTrainer(TrainerState):
     """The drafter's training loop one step at a time, its whole state in `state_dict()` (see TargetTrainer)."""
 
     def __init__(
@@ -139,6 +139,7 @@ class DrafterTrainer:
         if train.drafter_corpus_share > 0 and streams is None:
             raise ValueError("train.drafter_corpus_share needs the training text's token streams")
         self.drafter, self.target, self.sequences, self.streams = drafter, target, sequences, streams
+        self.trained = drafter
         self.spec, self.train, self.mask_token_id = spec, train, mask_token_id
         self.rng = np.random.default_rng(train.seed + 2)
         self.embed = target.get_input_embeddings().weight.detach()
@@ -205,16 +206,6 @@ class DrafterTrainer:
         self.step += 1
         return self.losses[-1]
 
-    def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "losses": list(self.losses),
-            "rng": self.rng.bit_generator.state,
-            "model": {k: v.detach().clone() for k, v in self.drafter.state_dict().items()},
-            "optimizer": self.opt.opt.state_dict(),
-            "scheduler": self.opt.sched.state_dict(),
-        }
-
     def continue_finished(self, weights: dict, step: int, losses: list[float]) -> None:
         """Train on a finished drafter (its weights only) from `step`, a restart of this trainer's schedule."""
         if step not in self.train.drafter_restarts:
@@ -227,13 +218,6 @@ class DrafterTrainer:
         for group, lr in zip(self.opt.opt.param_groups, sched._last_lr):
             group["lr"] = lr
 
-    def load_state_dict(self, state: dict) -> None:
-        self.drafter.load_state_dict(state["model"])
-        self.opt.opt.load_state_dict(state["optimizer"])
-        self.opt.sched.load_state_dict(state["scheduler"])
-        self.rng.bit_generator.state = state["rng"]
-        self.step = int(state["step"])
-        self.losses = list(state["losses"])
 
 
 def distill_loss(

@@ -1,4 +1,5 @@
-"""The optimisation step both trainers share: AdamW with clipping and a per-step learning-rate factor."""
+"""What the trainers share: the optimisation step (AdamW with clipping and a per-step learning-rate factor) and
+the checkpointable state."""
 
 from __future__ import annotations
 
@@ -22,3 +23,34 @@ class Optimiser:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         return float(loss.detach())
+
+
+class TrainerState:
+    """The state every trainer checkpoints (weights, AdamW moments, schedule position, its data sampler's RNG,
+    step, loss curve) plus the list attributes it names in `extra_lists`, so that a run resumed from
+    `state_dict()` takes exactly the steps the uninterrupted run would have."""
+
+    trained: torch.nn.Module
+    opt: Optimiser
+    extra_lists: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "losses": list(self.losses),
+            "rng": self.rng.bit_generator.state,
+            "model": {k: v.detach().clone() for k, v in self.trained.state_dict().items()},
+            "optimizer": self.opt.opt.state_dict(),
+            "scheduler": self.opt.sched.state_dict(),
+            **{name: list(getattr(self, name)) for name in self.extra_lists},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trained.load_state_dict(state["model"])
+        self.opt.opt.load_state_dict(state["optimizer"])
+        self.opt.sched.load_state_dict(state["scheduler"])
+        self.rng.bit_generator.state = state["rng"]
+        self.step = int(state["step"])
+        self.losses = list(state["losses"])
+        for name in self.extra_lists:
+            setattr(self, name, list(state[name]))

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from replicas.models.data import TokenStreams
-from replicas.models.optim import Optimiser
+from replicas.models.optim import Optimiser, TrainerState
 from replicas.models.spec import TargetSpec, TrainSpec
 
 
@@ -68,13 +68,14 @@ def decay_start(train: TrainSpec) -> int:
     return max(warmup, train.target_steps - int(round(train.target_steps * train.decay_fraction)))
 
 
-class TargetTrainer:
+class TargetTrainer(TrainerState):
     """AdamW on mixed code/prose windows, one step at a time, with its whole state in `state_dict()`
     (weights, optimiser moments, schedule position, the window sampler's RNG, the loss curve), so
     a run resumed from a checkpoint takes exactly the steps the uninterrupted run would have."""
 
     def __init__(self, model, streams: TokenStreams, train: TrainSpec) -> None:
         self.model, self.streams, self.train = model, streams, train
+        self.trained = model
         self.rng = np.random.default_rng(train.seed)
         self.opt = Optimiser(model.parameters(), train.target_lr, 0.05, lr_factor(train))
         self.step = 0
@@ -98,24 +99,6 @@ class TargetTrainer:
     @property
     def lr(self) -> float:
         return float(self.opt.opt.param_groups[0]["lr"])
-
-    def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "losses": list(self.losses),
-            "rng": self.rng.bit_generator.state,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.opt.opt.state_dict(),
-            "scheduler": self.opt.sched.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.opt.opt.load_state_dict(state["optimizer"])
-        self.opt.sched.load_state_dict(state["scheduler"])
-        self.rng.bit_generator.state = state["rng"]
-        self.step = int(state["step"])
-        self.losses = list(state["losses"])
 
 
 def train_target(

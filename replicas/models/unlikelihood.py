@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from replicas.models.data import TokenStreams
-from replicas.models.optim import Optimiser
+from replicas.models.optim import Optimiser, TrainerState
 from replicas.models.spec import PolishSpec, TrainSpec
 
 NGRAM = 4
@@ -86,11 +86,14 @@ def loop_share(model, streams: TokenStreams, polish: PolishSpec, prompts: int = 
     return out
 
 
-class UnlikelihoodTrainer:
-    """The polish stage's target training one step at a time, its whole state in `state_dict()` (see TargetTrainer)."""
+class UnlikelihoodTrainer(TrainerState):
+    """The polish stage's target training one step at a time, its whole state in `state_dict()`."""
+
+    extra_lists = ("repeated",)
 
     def __init__(self, model, streams: TokenStreams, polish: PolishSpec, train: TrainSpec) -> None:
         self.model, self.streams, self.polish, self.train = model, streams, polish, train
+        self.trained = model
         self.rng = np.random.default_rng([train.seed, 9])
         warmup = 10
         self.opt = Optimiser(model.parameters(), polish.unlikelihood_lr, 0.0, lambda s: min(1.0, (s + 1) / warmup))
@@ -114,23 +117,3 @@ class UnlikelihoodTrainer:
         self.repeated.append(repeated)
         self.step += 1
         return self.losses[-1]
-
-    def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "losses": list(self.losses),
-            "repeated": list(self.repeated),
-            "rng": self.rng.bit_generator.state,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.opt.opt.state_dict(),
-            "scheduler": self.opt.sched.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.opt.opt.load_state_dict(state["optimizer"])
-        self.opt.sched.load_state_dict(state["scheduler"])
-        self.rng.bit_generator.state = state["rng"]
-        self.step = int(state["step"])
-        self.losses = list(state["losses"])
-        self.repeated = list(state["repeated"])

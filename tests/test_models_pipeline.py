@@ -28,7 +28,7 @@ from replicas.models.dflash import DFlashDrafter
 from replicas.models.licences import expression_permitted, licence_of
 from replicas.models.spec import BuildSpec, CorpusSpec, DrafterSpec, PolishSpec, TargetSpec, TrainSpec, load_spec
 from replicas.models.target import TargetTrainer, new_target
-from replicas.models.unlikelihood import continuation_loop_share, repeated_ngram_mask, unlikelihood_loss
+from replicas.models.unlikelihood import continuation_loop_share, greedy_continuations, repeated_ngram_mask, unlikelihood_loss
 
 torch.set_num_threads(1)
 
@@ -616,6 +616,21 @@ def test_the_loop_share_stops_where_serving_stops_and_weighs_by_length():
     assert continuation_loop_share([fresh + [0] + loop], eos_id=0) == 0.0  # the loop after the end is not served
     both = continuation_loop_share([loop, fresh[:8]], eos_id=0)
     assert both == pytest.approx(9 / 18)  # 9 of the loop's 13 grams repeat (4 distinct); 13 + 5 grams in all
+
+
+def test_loop_shares_are_measured_on_continuations_that_the_end_token_stops():
+    """A model whose every logit is 0 chooses the end token (id 0) first: serving stops there, and so does the
+    loop share's continuation; control: the unlikelihood stage's continuations never choose it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, eos_token_id=0, bos_token_id=0, pad_token_id=0))
+    torch.nn.init.zeros_(model.model.norm.weight)
+    prefixes = torch.tensor([[3, 4, 5]])
+    served = greedy_continuations(model, prefixes, 6, stop_at_end=True)[:, 3:].tolist()
+    assert served == [[0]] and continuation_loop_share(served, eos_id=0) == 0.0
+    forced = greedy_continuations(model, prefixes, 6)[:, 3:].tolist()
+    assert len(forced[0]) == 6 and 0 not in forced[0]
 
 
 def test_the_unlikelihood_step_lowers_the_repeated_tokens_probability():

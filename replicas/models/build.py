@@ -48,7 +48,7 @@ from replicas.models.distill import (
 from replicas.models.spec import BuildSpec, TrainSpec
 from replicas.models.target import TargetTrainer, decay_start, held_out_perplexity, new_target
 from replicas.models.tokenizer import EOS, MASK, save_hf_tokenizer, tokenizer_training_texts, train_tokenizer
-from replicas.models.unlikelihood import UnlikelihoodTrainer, continuation_loop_share, loop_share
+from replicas.models.unlikelihood import UnlikelihoodTrainer, continuation_loop_share, greedy_continuations, loop_share
 
 from replicas.models import WEIGHTS_DIR  # noqa: E402,F401 (where the build writes and callers find the pair)
 from replicas.models.report import BuildReport, DomainQuality  # noqa: E402,F401 (what a build writes)
@@ -648,7 +648,8 @@ def evaluate_models(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=spec.train.distill_new_tokens,
             min_new_tokens=spec.train.distill_new_tokens, do_sample=False, pad_token_id=target.config.eos_token_id,
         )
-        loops = continuation_loop_share(seqs[:, spec.train.distill_prompt_len:].tolist(), target.config.eos_token_id)
+        served = greedy_continuations(target, prompts, spec.train.distill_new_tokens, stop_at_end=True)
+        loops = continuation_loop_share(served[:, spec.train.distill_prompt_len:].tolist(), target.config.eos_token_id)
         acc = offline_acceptance(drafter, target, seqs, spec.drafter, mask_id, start=spec.train.distill_prompt_len - 1)
         sampled = continue_batch(target, prompts, spec.train.model_copy(update={"distill_temperature": 1.0}), True,
                                  seed=spec.train.seed + 7 + DOMAINS.index(domain))

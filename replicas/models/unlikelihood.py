@@ -40,13 +40,14 @@ def repeated_ngram_mask(seqs: torch.Tensor, start: int, n: int = NGRAM) -> torch
 
 
 @torch.no_grad()
-def greedy_continuations(model, prefixes: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """[B, prefix + new_tokens]: the model's greedy continuation of each prefix, the end token not stopping it."""
+def greedy_continuations(model, prefixes: torch.Tensor, new_tokens: int, stop_at_end: bool = False) -> torch.Tensor:
+    """[B, prefix + new_tokens]: the model's greedy continuation of each prefix; the end token stops it only with
+    `stop_at_end` (as serving stops it; the rest of the row is then end tokens), else it is never chosen."""
     was_training = model.training
     model.eval()
     out = model.generate(
         input_ids=prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id,
+        min_new_tokens=0 if stop_at_end else new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id,
     )
     model.train(was_training)
     return out
@@ -81,7 +82,8 @@ def loop_share(model, streams: TokenStreams, polish: PolishSpec, prompts: int = 
     out = {}
     for domain in streams.streams:
         prefixes = torch.from_numpy(streams.windows(domain, "held_out", polish.unlikelihood_prefix_len, prompts, rng))
-        gen = greedy_continuations(model, prefixes, polish.unlikelihood_new_tokens)[:, polish.unlikelihood_prefix_len:]
+        gen = greedy_continuations(model, prefixes, polish.unlikelihood_new_tokens, stop_at_end=True)
+        gen = gen[:, polish.unlikelihood_prefix_len:]
         out[domain] = continuation_loop_share(gen.tolist(), model.config.eos_token_id)
     return out
 

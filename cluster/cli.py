@@ -615,16 +615,19 @@ def cmd_models_traces(args: argparse.Namespace) -> int:
     from replicas.models.trace_recorder import record_traces
     from scheduling.evaluation import compare_estimators, compare_post_draft, format_comparison
 
-    traces, domains = record_traces(prompts_per_domain=args.prompts, repeats=args.repeats, temperature=args.temperature)
+    traces = record_traces(prompts_per_domain=args.prompts, repeats=args.repeats, temperature=args.temperature)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     traces.save(args.out)
-    print(f"recorded {len(traces)} verification steps ({', '.join(f'{d}: {(domains == d).sum()}' for d in sorted(set(domains)))}); wrote {args.out}")
+    accepted = traces.mean_accepted_length()
+    print(f"recorded {len(traces)} verification steps "
+          f"({', '.join(f'{d}: {(traces.domain == d).sum()}, mean accepted length {accepted[d]:.2f}' for d in sorted(accepted))}); "
+          f"wrote {args.out}")
     reports = compare_estimators(traces)
     print(format_comparison(reports))
     post = compare_post_draft(traces)
     print("post-draft survival Brier (held out): " + ", ".join(f"{k} {v:.4f}" for k, v in post.items()))
     payload = {name: {"mean_auc": r.mean_auc, "mean_brier": r.mean_brier, "mean_ece": r.mean_ece, **r.model_dump()} for name, r in reports.items()}
-    _write_json(args.json, {**payload, "post_draft_brier": post})
+    _write_json(args.json, {**payload, "post_draft_brier": post, "mean_accepted_length": accepted})
     return 0
 
 

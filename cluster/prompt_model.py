@@ -6,7 +6,9 @@ tells the shipped workload domains apart; a request's predicted mean accepted
 length is the domains' measured accepted lengths weighted by the classifier's
 probabilities. Both come from what the project ships: the labelled workload
 prompts (`replicas/models/workloads/`) and the drafter's per-domain
-acceptance measured at build time (`build_report.json`).
+acceptance, as served on those prompts (`traces.npz`, recorded through the
+engine, when its rows carry their domain) or else as measured at build time
+(`build_report.json`, offline on held-out text).
 """
 
 from __future__ import annotations
@@ -101,13 +103,19 @@ class PromptModel(BaseModel):
 
     @classmethod
     def shipped(cls) -> "PromptModel":
-        """Fitted on the shipped workloads and build report (milliseconds; done once per router)."""
+        """Fitted on the shipped workloads and the pair's served (else build-time) acceptance (milliseconds; done
+        once per router)."""
         from replicas.models import WEIGHTS_DIR
         from replicas.models.report import BuildReport
         from replicas.models.workloads import load_workloads
+        from scheduling.traces import Traces
 
-        report = BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text())
         workloads = load_workloads()
+        traces = WEIGHTS_DIR / "traces.npz"
+        accept_len = Traces.load(traces).mean_accepted_length() if traces.is_file() else {}
+        if set(accept_len) != set(workloads):
+            report = BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text())
+            accept_len = {d: q.mean_accepted_length for d, q in report.domains.items()}
         texts = [p.prompt for d in workloads for p in workloads[d]]
         labels = [d for d in workloads for _ in workloads[d]]
-        return cls.fit(texts, labels, {d: q.mean_accepted_length for d, q in report.domains.items()})
+        return cls.fit(texts, labels, accept_len)

@@ -45,11 +45,14 @@ class Traces:
     feature_names: tuple[str, ...] = ()
     # (N, K) the drafter's max probability per drafted position (NaN where not drafted); None if not logged
     confidence: np.ndarray | None = None
+    domain: np.ndarray | None = None  # (N,) str: the workload domain of the row's prompt; None if not logged
 
     def __post_init__(self) -> None:
         n = self.inputs.batch_size
         if self.confidence is not None and self.confidence.shape != (n, self.k):
             raise ValueError(f"confidence must have shape ({n}, {self.k})")
+        if self.domain is not None and self.domain.shape != (n,):
+            raise ValueError(f"domain must have shape ({n},)")
         for name in ("drafted", "accepted", "request_id"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"{name} must have shape ({n},)")
@@ -68,7 +71,16 @@ class Traces:
             self.k,
             self.feature_names,
             None if self.confidence is None else self.confidence[rows],
+            None if self.domain is None else self.domain[rows],
         )
+
+    def mean_accepted_length(self) -> dict[str, float]:
+        """Per domain: accepted drafts + 1 over the rows verified at full width (an empty dict without domains)."""
+        if self.domain is None:
+            return {}
+        full = self.drafted == self.k
+        return {str(d): 1.0 + float(self.accepted[full & (self.domain == d)].mean())
+                for d in np.unique(self.domain[full])}
 
     def split_by_request(self, holdout_fraction: float, seed: int = 0) -> tuple["Traces", "Traces"]:
         """Train/held-out split that keeps every request's rows on one side."""
@@ -92,6 +104,7 @@ class Traces:
             parts[0].k,
             parts[0].feature_names,
             None if any(p.confidence is None for p in parts) else np.concatenate([p.confidence for p in parts]),
+            None if any(p.domain is None for p in parts) else np.concatenate([p.domain for p in parts]),
         )
 
     def save(self, path: str | Path | IO[bytes]) -> None:
@@ -105,6 +118,7 @@ class Traces:
             k=np.int64(self.k),
             feature_names=np.array(self.feature_names, dtype=str),
             **({} if self.confidence is None else {"confidence": self.confidence}),
+            **({} if self.domain is None else {"domain": self.domain.astype(str)}),
         )
 
     @classmethod
@@ -118,6 +132,7 @@ class Traces:
                 int(z["k"]),
                 tuple(str(x) for x in z["feature_names"]),
                 z["confidence"] if "confidence" in z.files else None,
+                z["domain"] if "domain" in z.files else None,
             )
 
 

@@ -50,7 +50,9 @@ def test_calibrating_the_embedded_pair_reproduces_the_shipped_estimator_quality(
     summary, out = embedded_k8
     assert (summary.k, summary.causal, summary.draft_widths) == (8, True, "ragged")
     assert summary.truncation_gap == {}  # a causal drafter's truncated blocks are exact: nothing to measure
-    assert Traces.load(out / "traces.npz").k == 8 and summary.rows > 1000
+    recorded = Traces.load(out / "traces.npz")
+    assert recorded.k == 8 and summary.rows > 1000
+    assert set(recorded.mean_accepted_length()) == {"code", "prose"}  # each row knows its prompt's domain
     assert len(list((out / "step_cost").glob("*.json"))) == 1
     shipped = compare_estimators(Traces.load(WEIGHTS_DIR / "traces.npz"))["context"]
     ours = summary.estimators["context"]

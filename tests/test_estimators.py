@@ -1,6 +1,8 @@
 """Pre-draft estimators: the context model beats the constant and history baselines when the
 features carry signal, and does not pretend to when they carry none."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,15 @@ def test_traces_round_trip(tmp_path):
     assert back.k == traces.k and back.feature_names == traces.feature_names
     np.testing.assert_array_equal(back.accepted, traces.accepted)
     np.testing.assert_array_equal(back.inputs.history, traces.inputs.history)
+    assert back.domain is None and back.mean_accepted_length() == {}
+    # With each row's domain: kept, and the mean accepted length per domain over the rows at full width.
+    domain = np.where(traces.request_id % 2 == 0, "code", "prose")
+    dataclasses.replace(traces, domain=domain).save(tmp_path / "d.npz")
+    back = Traces.load(tmp_path / "d.npz")
+    np.testing.assert_array_equal(back.domain, domain)
+    full = traces.drafted == traces.k
+    assert back.mean_accepted_length()["code"] == pytest.approx(1 + traces.accepted[full & (domain == "code")].mean())
+    assert back.subset(np.flatnonzero(domain == "prose")).mean_accepted_length().keys() == {"prose"}
 
 
 def test_traces_reject_inconsistent_rows():

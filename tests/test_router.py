@@ -164,6 +164,28 @@ def test_prompt_model_tells_the_shipped_domains_apart_held_out():
     assert model.predict({"messages": [{"role": "user", "content": code}]}) == pytest.approx(6.6, abs=0.1)
 
 
+def test_the_shipped_prompt_model_takes_served_acceptance_from_traces_with_domains(tmp_path, monkeypatch):
+    import dataclasses
+    import shutil
+
+    import replicas.models as models
+    from cluster.prompt_model import PromptModel
+    from scheduling.traces import synthetic_traces
+
+    shutil.copy(models.WEIGHTS_DIR / "build_report.json", tmp_path)
+    monkeypatch.setattr(models, "WEIGHTS_DIR", tmp_path)
+    built = PromptModel.shipped().accept_len  # no traces: the build report's offline acceptance
+    traces = synthetic_traces(num_requests=40, steps_per_request=5, seed=3)
+    domain = np.where(traces.request_id % 2 == 0, "code", "prose")
+    dataclasses.replace(traces, domain=domain).save(tmp_path / "traces.npz")
+    expected = dataclasses.replace(traces, domain=domain).mean_accepted_length()
+    assert PromptModel.shipped().accept_len == pytest.approx([expected["code"], expected["prose"]])
+    assert PromptModel.shipped().accept_len != pytest.approx(built)
+    # Control: traces without domains say nothing per domain; the build report stays the source.
+    traces.save(tmp_path / "traces.npz")
+    assert PromptModel.shipped().accept_len == pytest.approx(built)
+
+
 def make_router(**kw):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 

@@ -126,6 +126,28 @@ def _fitted(model: AcceptanceModel, k: int):
     return est, cal
 
 
+def test_replayed_traces_follow_recorded_requests_of_the_simulated_requests_domain():
+    import dataclasses
+
+    from cluster.sim.replay import TraceReplay
+
+    model = ACCEPTANCE_MODELS["dflash-qwen3-8b"]
+    traces = synthetic_traces(model, 7, {"code": 1.0, "prose": 1.0}, requests=200, steps=6)
+    recorded = traces.subset(np.arange(200)).mean_accepted_length()  # the requests' first steps: what position 0 replays
+    assert recorded["code"] > 1.1 * recorded["prose"]
+    keys, n = np.arange(4000), 4000
+
+    def replayed(t, domain):
+        return TraceReplay(t).step([domain] * n, np.zeros(n), np.zeros(n), keys).accept_len
+
+    code, prose = replayed(traces, "code"), replayed(traces, "prose")
+    assert abs(1 + code.mean() - recorded["code"]) < 0.1 and abs(1 + prose.mean() - recorded["prose"]) < 0.1
+    # Control: traces without domains replay the same recorded requests whatever the domain.
+    blind = dataclasses.replace(traces, domain=None)
+    assert blind.mean_accepted_length() == {}
+    np.testing.assert_array_equal(replayed(blind, "code"), replayed(blind, "prose"))
+
+
 def test_the_acceptance_process_reproduces_its_curves_and_domains_differ():
     model = ACCEPTANCE_MODELS["dflash-qwen3-8b"]
     k = 7

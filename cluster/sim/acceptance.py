@@ -163,4 +163,5 @@ def synthetic_traces(model: AcceptanceModel, k: int, domains: dict[str, float], 
         k,
         FEATURE_NAMES,
         confidence,
+        np.tile(np.array(picked), steps),
     )

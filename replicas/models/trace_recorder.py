@@ -10,6 +10,7 @@ serves. `forespark calibrate` records a user's own model pair the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -19,12 +20,12 @@ from scheduling.traces import Traces
 
 
 def record_on(llm, prompts: dict[str, list[Prompt]], repeats: int = 1, temperature: float = 0.0, seed: int = 0):
-    """Run `prompts` (per domain) through a built WCS `vllm.LLM` under the `static` policy; returns
-    (traces, domain per row)."""
+    """Run `prompts` (per domain) through a built WCS `vllm.LLM` under the `static` policy; the traces carry
+    each row's domain."""
     from vllm import SamplingParams
 
     llm.collective_rpc("wcs_set_policy", args=("static",))
-    parts, domains = [], []
+    parts = []
     for domain, chosen in prompts.items():
         params = [
             SamplingParams(temperature=temperature, max_tokens=p.max_tokens, seed=seed + 1000 * r + i)
@@ -37,9 +38,8 @@ def record_on(llm, prompts: dict[str, list[Prompt]], repeats: int = 1, temperatu
         if blob is None:
             raise RuntimeError(f"no verification steps were recorded for {domain}")
         part = Traces.load(io.BytesIO(blob))
-        parts.append(part)
-        domains += [domain] * len(part)
-    return Traces.concatenate(parts), np.array(domains)
+        parts.append(dataclasses.replace(part, domain=np.full(len(part), domain)))
+    return Traces.concatenate(parts)
 
 
 def record_traces(prompts_per_domain: int = 64, repeats: int = 1, temperature: float = 0.0, seed: int = 0):

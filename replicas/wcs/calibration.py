@@ -141,7 +141,7 @@ def calibrate(
     llm = make_llm(engine)
     causal = llm.collective_rpc("wcs_runner_info")[0]["drafter_causal"]  # as vLLM resolved it from the checkpoint
     progress(f"recording acceptance traces ({sum(map(len, prompts.values()))} prompts, temperature {temperature:g})")
-    traces, _ = record_on(llm, prompts, temperature=temperature, seed=engine.seed)
+    traces = record_on(llm, prompts, temperature=temperature, seed=engine.seed)
     del llm
     gc.collect()
     traces.save(out / TRACES_FILE)

@@ -33,12 +33,10 @@ about this request's length.
   token's `token_ms` below the knee is nearly free, a long prompt is not).
 
 A replica is feasible when both predictions fit the request's SLOs, the TPOT
-one, until admitted requests have been measured, with a margin (`tpot_share`
-of the SLO): admitted at exactly the SLO, a request's TPOT then grows with the
-requests admitted after it and with what the HTTP stack adds (measured:
-admitted at the SLO, half the admitted requests missed it under overload).
-Once they have been measured, the feedback below holds the predictions at a
-quantile of the measured TPOT, which is that margin, measured. With none
+one with a margin (`tpot_share` of the SLO): admitted at exactly the SLO, a
+request's TPOT then grows with the requests admitted after it and with what
+the HTTP stack adds (measured: admitted at the SLO, half the admitted
+requests missed it under overload). With none
 feasible the request is refused (429) with `Retry-After` = the predicted time
 for the least loaded replica to drain what stands between it and feasibility
 (its queue, or the requests whose leaving brings its TPOT under the SLO).
@@ -95,17 +93,12 @@ class AdmissionConfig(BaseModel):
     chars_per_token: float = Field(default=3.5, gt=0, description="prompt characters per token, for the prefill estimate")
     min_drain_rate: float = Field(default=0.2, gt=0, description="completions/s assumed of a replica before any was measured")
     max_retry_after_s: int = Field(default=30, ge=1, description="cap on the Retry-After of a refusal")
-    tpot_share: float = Field(default=0.75, gt=0, le=1.0, description="until admitted requests' TPOT has been measured "
-                              "(the feedback's corrections), admit while the predicted TPOT is under this share of the "
-                              "SLO: the rest is for what the batch's later arrivals and the HTTP stack add")
+    tpot_share: float = Field(default=0.75, gt=0, le=1.0, description="admit while the predicted TPOT is under this "
+                              "share of the SLO: the rest is for what the batch's later arrivals and the HTTP stack add")
     max_calibration: float = Field(default=4.0, ge=1.0, description="bound on realised over modelled TPOT (both ways)")
     feedback_window: int = Field(default=32, ge=0, description="admitted requests whose measured TTFT and TPOT "
                                  "correct the predictions (SLOFeedback; 0: no feedback)")
-    feedback_max_age_s: float = Field(default=10.0, gt=0, description="measurements older than this are dropped, "
-                                      "but for the newest `feedback_keep`")
-    feedback_keep: int = Field(default=8, ge=0, description="the newest measurements are kept whatever their age: the "
-                               "corrections live through a quiet spell, and the burst of admissions that opens the next "
-                               "overload is corrected too")
+    feedback_max_age_s: float = Field(default=10.0, gt=0, description="measurements older than this are dropped")
     feedback_min_tokens: int = Field(default=16, ge=2, description="a request's TPOT is measured only when it "
                                      "generated at least this many tokens: over a few tokens the stream's start "
                                      "and end dominate, and corrections learned from them refused a light load")
@@ -205,10 +198,9 @@ def decide(
     # refusing every request would protect nothing, and with nothing admitted nothing would ever be measured.
     # A request's own tighter SLO still holds as asked.
     alone = np.where(has_cost, np.maximum(f.base_step_ms + (1.0 - f.running) * f.base_request_ms, 0.0) * stretch, 0.0)
-    share = 1.0 if corrections is not None and corrections.tpot_measured else config.tpot_share
-    floor = alone / share
-    app_limit = np.maximum(app_tpot_slo * share, floor)
-    tpot_slo = np.minimum(app_limit, slo.tpot_ms * share) if slo and slo.tpot_ms else app_limit
+    floor = alone / config.tpot_share
+    app_limit = np.maximum(app_tpot_slo * config.tpot_share, floor)
+    tpot_slo = np.minimum(app_limit, slo.tpot_ms * config.tpot_share) if slo and slo.tpot_ms else app_limit
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0)
@@ -256,8 +248,7 @@ class DrainMeter:
 
 class SLOFeedback:
     """What admitted requests measured against what admission predicted for them, over the last
-    `feedback_window` of them within `feedback_max_age_s` (and the newest `feedback_keep` whatever their age),
-    as corrections for the next predictions:
+    `feedback_window` of them within `feedback_max_age_s`, as corrections for the next predictions:
 
     - TTFT: plus the `feedback_quantile` of (measured - predicted): the HTTP path adds time, whatever the queue;
     - TPOT: a line, measured ~ a + b * predicted, fitted by least squares with the slope shrunk towards 1
@@ -267,9 +258,7 @@ class SLOFeedback:
       10 req/s while the admitted ones ran at half the SLO. A slope below 1 came only from bursts whose
       first requests were predicted low: it sloped the line down and raised the intercept past the SLO.
 
-    (The age limit makes room for what the probes of a correction that refuses everything measure; the newest
-    measurements stay through a quiet spell: with none, the burst that opened the next overload was admitted on
-    the model alone, and 10-13 of its requests missed within 1-2 s.)"""
+    (The age limit lets a correction that refuses everything, so that nothing new is measured, lapse.)"""
 
     PRIOR = 0.2  # the slope's shrinkage: as if a batch of requests had been measured at +-20% around the mean, on y = x
 
@@ -300,16 +289,16 @@ class SLOFeedback:
         self._cached = None
 
     def corrections(self, now: float | None = None) -> "Corrections":
-        """What the next predictions get; `Corrections()` (none) without measurements."""
+        """What the next predictions get; `Corrections()` (none) without recent measurements."""
         oldest = (time.monotonic() if now is None else now) - self.config.feedback_max_age_s
         for measured in (self._ttft, self._tpot):
-            while len(measured) > self.config.feedback_keep and measured[0][0] < oldest:
+            while measured and measured[0][0] < oldest:
                 measured.popleft()
                 self._cached = None
         if self._cached is None:
             q = self.config.feedback_quantile
             ttft = float(np.quantile([e for _, e in self._ttft], q)) if self._ttft else 0.0
-            self._cached = Corrections(ttft, *self._line(q), tpot_measured=bool(self._tpot))
+            self._cached = Corrections(ttft, *self._line(q))
         return self._cached
 
     def _line(self, q: float) -> tuple[float, float]:
@@ -326,13 +315,11 @@ class SLOFeedback:
 
 
 class Corrections(NamedTuple):
-    """Corrected TTFT = predicted + ttft_ms; corrected TPOT = tpot_ms + tpot_slope * predicted; `tpot_measured`:
-    the TPOT correction comes from measurements (and admission then needs no margin of its own)."""
+    """Corrected TTFT = predicted + ttft_ms; corrected TPOT = tpot_ms + tpot_slope * predicted."""
 
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     tpot_slope: float = 1.0
-    tpot_measured: bool = False
 
     def ttft(self, predicted):
         return predicted + self.ttft_ms
@@ -395,10 +382,10 @@ class AdmissionLoop:
 
     def decide(self, *args, now: float | None = None, commit: bool = True, **kwargs) -> tuple[Decision, Corrections]:
         """`decide` with the feedback's corrections, and the corrections it used. When they refuse a request
-        that the model alone admits (with its margin) and nothing was admitted for `probe_s`, it is admitted
-        uncorrected: a correction that refuses everything would otherwise never be measured again (its newest
-        measurements are kept whatever their age; one learned from the burst that opens an overload refused
-        everything, the load gone or not). `commit` False: a look ahead that admits nothing (the probe's clock
+        that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
+        correction that refuses everything would otherwise be measured again only when its measurements age
+        out (`feedback_max_age_s`; one learned from the burst that opens an overload refused everything while
+        they lived, the load gone or not). `commit` False: a look ahead that admits nothing (the probe's clock
         stays as it was)."""
         now = time.monotonic() if now is None else now
         corrections = self.feedback.corrections(now)

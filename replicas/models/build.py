@@ -213,13 +213,21 @@ def estimate_seconds(spec: BuildSpec, eos_id: int, mask_id: int, repeats: int = 
             return lambda: target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
                                            min_new_tokens=n, do_sample=False, pad_token_id=eos_id)
 
+        def per_token_and_prefill(n4, n12) -> tuple[float, float]:
+            g4, g12 = timed(n4, 1), timed(n12, 1)
+            per_token = max(0.0, (g12 - g4) / 8)
+            return per_token, max(0.0, g4 - 4 * per_token)
+
         target.train()
         step = timed(target_step)
         target.eval()
         dstep = timed(drafter_step)
-        g4, g12 = timed(gen(4), 1), timed(gen(12), 1)
-    per_token = max(0.0, (g12 - g4) / 8)
-    return {"target_step": step, "drafter_step": dstep, "gen_token": per_token, "gen_prefill": max(0.0, g4 - 4 * per_token)}
+        out = {"target_step": step, "drafter_step": dstep}
+        out["gen_token"], out["gen_prefill"] = per_token_and_prefill(gen(4), gen(12))
+        if spec.polish.active:  # the polish stage continues a few prefixes at a time: cheaper per token than a full batch
+            prompts = prompts[: spec.polish.unlikelihood_prefixes]
+            out["polish_gen_token"], out["polish_gen_prefill"] = per_token_and_prefill(gen(4), gen(12))
+    return out
 
 
 def format_duration(seconds: float) -> str:
@@ -251,7 +259,7 @@ def remaining_estimate(spec: BuildSpec, unit: dict[str, float], phase: str, targ
     # A polish step: a likelihood batch, a greedy continuation of its prefixes, and the unlikelihood pass over them.
     ul_step = unit["target_step"] * (p.unlikelihood_mle_batch * t.seq_len + p.unlikelihood_prefixes
                                      * (p.unlikelihood_prefix_len + p.unlikelihood_new_tokens)) / (t.target_batch * t.seq_len)
-    ul_step += unit["gen_prefill"] + p.unlikelihood_new_tokens * unit["gen_token"]
+    ul_step += unit.get("polish_gen_prefill", unit["gen_prefill"]) + p.unlikelihood_new_tokens * unit.get("polish_gen_token", unit["gen_token"])
     out = {
         "target": (t.target_steps - target_step) * unit["target_step"] if order == 0 else 0.0,
         "continuations": gen if order <= 1 else 0.0,

@@ -210,8 +210,7 @@ def estimate_seconds(spec: BuildSpec, eos_id: int, mask_id: int, repeats: int = 
         prompts = torch.randint(0, v, (min(t.distill_gen_batch, t.distill_prompts), t.distill_prompt_len))
 
         def gen(n: int):
-            return lambda: target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
-                                           min_new_tokens=n, do_sample=False, pad_token_id=eos_id)
+            return lambda: greedy_continuations(target, prompts, n)
 
         def per_token_and_prefill(n4, n12) -> tuple[float, float]:
             g4, g12 = timed(n4, 1), timed(n12, 1)
@@ -652,10 +651,7 @@ def evaluate_models(
     out = {}
     for domain in DOMAINS:
         prompts = torch.from_numpy(streams.windows(domain, "held_out", spec.train.distill_prompt_len, 32, rng))
-        seqs = target.generate(
-            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=spec.train.distill_new_tokens,
-            min_new_tokens=spec.train.distill_new_tokens, do_sample=False, pad_token_id=target.config.eos_token_id,
-        )
+        seqs = greedy_continuations(target, prompts, spec.train.distill_new_tokens)
         served = greedy_continuations(target, prompts, spec.train.distill_new_tokens, stop_at_end=True)
         loops = continuation_loop_share(served[:, spec.train.distill_prompt_len:].tolist(), target.config.eos_token_id)
         acc = offline_acceptance(drafter, target, seqs, spec.drafter, mask_id, start=spec.train.distill_prompt_len - 1)

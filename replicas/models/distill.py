@@ -219,7 +219,6 @@ class DrafterTrainer(TrainerState):
             group["lr"] = lr
 
 
-
 def distill_loss(
     drafter: DFlashDrafter, seqs: torch.Tensor, teacher_logits: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
     embed: torch.Tensor, spec: DrafterSpec, mask_token_id: int, kl_weight: float,

@@ -57,6 +57,13 @@ as a controller on the SLO attainment would (one that shrank the limits on
 each miss and grew them on each hit oscillated here: admitted attainment
 0.80-0.84 at 2-4x in `tests/test_admission.py`'s harness).
 
+The corrections lag what admitting more does (a request's life passes before its
+measurement), so a replica is also held to at most (1 + `trust`) times the most
+requests in flight at which a recent request there met its SLOs, plus a share
+of its batch (`AdmissionLoop.proven_levels`): in the CPU deployment's simulated
+twin at 4x its capacity, admission without it alternated between bursts that
+missed together and spells that refused nearly everything.
+
 `AdmissionGate` refuses at the ingress, before the handle is called, while
 the router's last decision was a refusal for a full fleet (no replica's TPOT
 fits the application's SLO, whatever the request: a refusal for a request's
@@ -68,7 +75,9 @@ through the handle costs CPU that the admitted requests need.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import time
 from collections import OrderedDict, deque
 from typing import Hashable, NamedTuple
@@ -78,6 +87,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.placement import FleetArrays, placement_forecast
 
+TRACE_ENV = "FORESPARK_ADMISSION_TRACE"  # a path: each process's AdmissionLoop appends its events there (JSON lines)
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
 
@@ -106,6 +116,11 @@ class AdmissionConfig(BaseModel):
                                      "the recent errors: the predictions are held to the SLOs with it added")
     probe_s: float = Field(default=1.0, gt=0, description="while the corrected predictions refuse everything, "
                            "one request this often is admitted on the model's own, so that measurements go on")
+    trust: float | None = Field(default=0.25, ge=0, description="a replica takes at most (1 + trust) times the most "
+                                "requests in flight at which one of its recent requests met its SLOs, plus one, and never "
+                                "less than trust_burst of its batch (None: no bound)")
+    trust_burst: float = Field(default=0.25, gt=0, le=1, description="the share of a replica's batch (max_num_seqs) it "
+                               "takes whatever was proven (all it takes before any request met its SLOs there)")
     gate_s: float = Field(default=0.5, ge=0, description="after a refusal for a full fleet, the ingress refuses at once for up to "
                           "this long, until a request completes (0: every request reaches the router)")
 
@@ -148,6 +163,8 @@ class Decision(NamedTuple):
     tpot_ms: np.ndarray  # predicted, per replica
     retry_after_s: int  # when refused: predicted drain time (0 when admitted)
     full: bool = False  # refused, and no replica's TPOT fits the application's SLO: nor would another request's
+    level: np.ndarray | None = None  # per replica: requests in flight there with this one (`AdmissionConfig.trust`)
+    tpot_slo_ms: np.ndarray | None = None  # per replica: the request's TPOT SLO there (before the margin)
 
 
 def calibration(fleet: FleetArrays, config: AdmissionConfig) -> np.ndarray:
@@ -171,6 +188,7 @@ def decide(
     waited_ms: float = 0.0,
     slo: RequestSLO | None = None,
     corrections: "Corrections | None" = None,
+    proven: np.ndarray | None = None,
 ) -> Decision:
     """Admission over one fleet view: `drain_rate` is each replica's measured completions per second;
     `corrections` (`SLOFeedback.corrections`) are applied to the predictions (None: the model alone)."""
@@ -202,8 +220,13 @@ def decide(
     app_limit = np.maximum(app_tpot_slo * config.tpot_share, floor)
     tpot_slo = np.minimum(app_limit, slo.tpot_ms * config.tpot_share) if slo and slo.tpot_ms else app_limit
     feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
+    level = f.load + fc.n_new
+    if config.trust is not None and proven is not None:
+        first = np.maximum(config.trust_burst * f.max_num_seqs, 1.0)  # before any request met its SLOs there
+        feasible &= level <= np.maximum(proven * (1.0 + config.trust) + 1.0, first)
+    request_tpot_slo = np.minimum(app_tpot_slo, slo.tpot_ms) if slo and slo.tpot_ms else app_tpot_slo
     if feasible.any():
-        return Decision(True, feasible, ttft, tpot, 0)
+        return Decision(True, feasible, ttft, tpot, 0, level=level, tpot_slo_ms=request_tpot_slo)
     # Requests that must leave each replica before it is feasible, and how long that takes.
     per_request = np.where(has_cost & (f.request_ms > 0), f.request_ms / np.maximum(f.tokens_per_step, 1.0), np.inf)
     tpot_excess = np.where(tpot > tpot_slo, np.ceil((tpot - tpot_slo) / per_request), 0.0)
@@ -211,7 +234,7 @@ def decide(
     drain_s = float(np.min(excess / rate))
     retry = int(min(max(math.ceil(drain_s), 1), config.max_retry_after_s))
     full = not (tpot <= app_limit).any()
-    return Decision(False, feasible, ttft, tpot, retry, full)
+    return Decision(False, feasible, ttft, tpot, retry, full, level=level, tpot_slo_ms=request_tpot_slo)
 
 
 class DrainMeter:
@@ -373,9 +396,19 @@ class AdmissionLoop:
         self.feedback = SLOFeedback(config)
         self.gate = AdmissionGate()
         self.last_admitted = -math.inf
-        self._routed: OrderedDict[int, tuple[Hashable, float, float]] = OrderedDict()  # ticket -> (replica, TTFT, when)
+        # ticket -> (replica, TTFT, when, requests in flight there with it, its TPOT SLO)
+        self._routed: OrderedDict[int, tuple[Hashable, float, float, float | None, float | None]] = OrderedDict()
         self._forecasts: dict[Hashable, deque[tuple[float, float]]] = {}  # replica -> (when, batch TPOT forecast)
         self._tickets = itertools.count()
+        self._proven: dict[Hashable, deque[float]] = {}  # replica -> levels (`routed`) of its requests that met their SLOs
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
+
+    def _log(self, event: str, now: float, **fields) -> None:
+        """A diagnostic trace of decisions, placements and measurements (`FORESPARK_ADMISSION_TRACE`): what
+        admission predicted and what was measured, per request, to study its misses offline."""
+        if self._trace is not None:
+            self._trace.write(json.dumps({"e": event, "t": round(now, 4), **fields}, default=str) + "\n")
 
     def ticket(self) -> int:
         return next(self._tickets)
@@ -396,13 +429,22 @@ class AdmissionLoop:
                 decision, corrections = probe, Corrections()
         if decision.admit and commit:
             self.last_admitted = now
+        if commit and self._trace is not None:
+            self._log("decide", now, admit=bool(decision.admit), full=bool(decision.full),
+                      ttft=float(np.min(decision.ttft_ms, initial=np.inf)), tpot=float(np.min(decision.tpot_ms, initial=np.inf)),
+                      correction=list(corrections))
         return decision, corrections
 
-    def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float, now: float | None = None) -> None:
-        """The router's prediction for the replica the request went to (before the feedback's correction)."""
+    def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float, now: float | None = None,
+               level: float | None = None, tpot_slo_ms: float | None = None) -> None:
+        """The router's prediction for the replica the request went to (before the feedback's correction); `level`:
+        the requests in flight there with it, and `tpot_slo_ms` its TPOT SLO (`AdmissionConfig.trust`)."""
         now = time.monotonic() if now is None else now
         self._forecasts.setdefault(replica, deque(maxlen=MAX_PENDING)).append((now, tpot_ms))
-        self._routed[ticket] = (replica, ttft_ms, now)
+        self._routed[ticket] = (replica, ttft_ms, now, level, tpot_slo_ms)
+        if self._trace is not None:
+            self._log("routed", now, ticket=ticket, replica=replica, ttft=ttft_ms, tpot=tpot_ms, level=level,
+                      proven=max(self._proven.get(replica, ()), default=0.0))
         while len(self._routed) > MAX_PENDING:
             self._routed.popitem(last=False)
 
@@ -420,8 +462,19 @@ class AdmissionLoop:
         if routed is None or ttft_ms is None:
             return
         now = time.monotonic() if now is None else now
-        replica, ttft_predicted, since = routed
-        self.feedback.observe((ttft_predicted, self._life_forecast(replica, since, now)), ttft_ms, tpot_ms, now, tokens)
+        replica, ttft_predicted, since, level, tpot_slo_ms = routed
+        life = self._life_forecast(replica, since, now)
+        self.feedback.observe((ttft_predicted, life), ttft_ms, tpot_ms, now, tokens)
+        met = ttft_ms <= self.config.ttft_ms and (tpot_ms is None or tpot_slo_ms is None or tpot_ms <= tpot_slo_ms)
+        if level is not None and met:
+            self._proven.setdefault(replica, deque(maxlen=self.config.feedback_window or 1)).append(level)
+        self._log("finished", now, ticket=ticket, ttft=ttft_ms, tpot=tpot_ms, tokens=tokens, tpot_life=life)
+
+    def proven_levels(self, replicas: list) -> np.ndarray:
+        """Per replica, the most requests in flight at which one of the last `feedback_window` requests there that met
+        their SLOs was admitted (0: none yet). Not aged as the feedback is: a level proven before a quiet spell
+        still was (the corrected predictions see what changed since)."""
+        return np.array([max(self._proven.get(r, ()), default=0.0) for r in replicas], dtype=np.float64)
 
     def _life_forecast(self, replica: Hashable, since: float, until: float) -> float:
         """The replica's batch TPOT forecast averaged over [since, until], each forecast holding until the next."""
@@ -435,6 +488,7 @@ class AdmissionLoop:
 
     def forget(self, replica: Hashable) -> None:
         self._forecasts.pop(replica, None)
+        self._proven.pop(replica, None)
 
 
 _LOOPS: dict[str, AdmissionLoop] = {}

@@ -35,6 +35,7 @@ def route(
     prompt_tokens: float = 0.0,
     pending_prompt_tokens: np.ndarray | float = 0.0,
     drain_rates: np.ndarray | None = None,
+    proven_levels: np.ndarray | None = None,
     waited_ms: float = 0.0,
     slo: RequestSLO | None = None,
     tie_ms: float = 1.0,
@@ -53,7 +54,8 @@ def route(
     if loop is not None and config is not None:
         rates = np.zeros(len(slack)) if drain_rates is None else drain_rates
         decision, correction = loop.decide(
-            fleet, added, tokens, prompt_tokens, rates, config, waited_ms=waited_ms, slo=slo, now=now, commit=commit
+            fleet, added, tokens, prompt_tokens, rates, config, waited_ms=waited_ms, slo=slo, now=now, commit=commit,
+            proven=proven_levels,
         )
         if not decision.admit:
             return Route(np.zeros(0, dtype=np.int64), 0, decision, correction, -np.inf)

@@ -109,7 +109,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         self.drain = admission_module.DrainMeter()
         self.model = PromptModel.shipped()
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)
-        self._predictions: dict[int, tuple[dict, np.ndarray, np.ndarray]] = {}  # ticket -> per replica (TTFT, TPOT)
+        # ticket -> per replica (TTFT, TPOT, requests in flight with it, its TPOT SLO)
+        self._predictions: dict[int, tuple[dict, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._view: _FleetView | None = None
         self._decisions = router_metrics.DECISIONS.labels(ROUTER_NAME, "ranked")
         self._fallbacks = router_metrics.DECISIONS.labels(ROUTER_NAME, "fallback")
@@ -148,6 +149,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             loop=loop,
             config=config,
             drain_rates=self.drain.rates(view.ids) if config else None,
+            proven_levels=loop.proven_levels(view.ids) if config else None,
             waited_ms=waited_ms,
             slo=admission_module.RequestSLO.model_validate(slo) if slo and config else None,
         )
@@ -159,7 +161,9 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             if not decision.admit:
                 raise self.refuse(decision)
             if ticket is not None:  # kept uncorrected: the feedback compares the model's own predictions
-                self._predictions[ticket] = (view.position, *correction.undo(decision.ttft_ms, decision.tpot_ms))
+                self._predictions[ticket] = (
+                    view.position, *correction.undo(decision.ttft_ms, decision.tpot_ms), decision.level, decision.tpot_slo_ms
+                )
                 while len(self._predictions) > admission_module.MAX_PENDING:
                     self._predictions.pop(next(iter(self._predictions)))
         ranked = [candidates[i] for i in routed.order]
@@ -194,6 +198,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             loop=self.loop,
             config=self.admission,
             drain_rates=self.drain.rates(view.ids),
+            proven_levels=self.loop.proven_levels(view.ids),
             slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
             commit=False,
         )
@@ -264,7 +269,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         predicted = self._predictions.pop(pending_request.kwargs.get("ticket"), None)
         if predicted is not None and replica_id in predicted[0]:
             i = predicted[0][replica_id]
-            self.loop.routed(pending_request.kwargs["ticket"], replica_id, float(predicted[1][i]), float(predicted[2][i]))
+            ttft, tpot, level, slo_ms = (float(p[i]) for p in predicted[1:])
+            self.loop.routed(pending_request.kwargs["ticket"], replica_id, ttft, tpot, level=level, tpot_slo_ms=slo_ms)
         if self._view is not None:
             args = pending_request.args
             body = args[1] if len(args) > 1 and isinstance(args[1], dict) else None

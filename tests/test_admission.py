@@ -281,6 +281,52 @@ def test_a_correction_that_refuses_everything_still_admits_a_probe_now_and_then(
     assert not loop.decide(FleetArrays([stats(40)]), *args[1:], now=10.0)[0].admit
 
 
+def test_a_replica_takes_at_most_a_share_more_requests_in_flight_than_it_was_measured_to_serve_within_the_slos():
+    from cluster.admission import AdmissionLoop
+
+    trusting = CONFIG.model_copy(update={"trust": 0.25, "trust_burst": 0.125})  # 8 requests of a batch of 64
+    roomy = stats(20, cap_ms=200.0)  # the model admits up to far more than 20 in flight here
+    assert one(roomy, config=trusting).admit  # no bound without the proven levels (control for the plumbing)
+    assert one(roomy, config=trusting, proven=np.array([16.0])).admit  # 21 in flight <= 16 * 1.25 + 1
+    assert not one(roomy, config=trusting, proven=np.array([15.0])).admit  # 21 > 19.75
+    assert not one(roomy, config=trusting, proven=np.array([0.0])).admit  # nothing measured: the burst only
+    assert one(stats(7, cap_ms=200.0), config=trusting, proven=np.array([1.0])).admit  # 8: never less than the burst
+    assert one(roomy, config=CONFIG.model_copy(update={"trust": None}), proven=np.array([0.0])).admit  # off: the model alone
+    # The loop proves a level when a request admitted at it meets its SLOs; a replica gone is forgotten.
+    loop = AdmissionLoop(trusting)
+    for ticket, (level, tpot) in enumerate([(10.0, 12.0), (18.0, 25.0), (14.0, 19.0)]):
+        loop.routed(ticket, "r", 100.0, 10.0, now=0.0, level=level, tpot_slo_ms=20.0)
+        loop.finished(ticket, 100.0, tpot, now=1.0, tokens=32)
+    assert list(loop.proven_levels(["r", "other"])) == [14.0, 0.0]  # 18 missed its TPOT SLO
+    loop.forget("r")
+    assert list(loop.proven_levels(["r"])) == [0.0]
+    decision = one(roomy, config=trusting, proven=np.array([14.0]))
+    assert decision.level[0] == 21.0 and decision.tpot_slo_ms[0] == 200.0
+
+
+def test_the_admission_trace_joins_each_requests_prediction_to_its_measurement(tmp_path, monkeypatch):
+    import json
+
+    from cluster.admission import TRACE_ENV, AdmissionLoop
+
+    args = (np.zeros(1), 1.0, 20.0, np.zeros(1), CONFIG)
+    silent = AdmissionLoop(CONFIG)  # control: no trace without the variable
+    silent.decide(FleetArrays([stats(4)]), *args, now=0.0)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace"))
+    loop = AdmissionLoop(CONFIG)
+    admitted, _ = loop.decide(FleetArrays([stats(4)]), *args, now=1.0)
+    ticket = loop.ticket()
+    loop.routed(ticket, "r0", float(admitted.ttft_ms[0]), float(admitted.tpot_ms[0]), now=1.0)
+    loop.finished(ticket, 50.0, 12.0, now=3.0, tokens=32)
+    loop.decide(FleetArrays([stats(40)]), *args, now=3.5)  # refused
+    (path,) = tmp_path.iterdir()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["e"] for e in events] == ["decide", "routed", "finished", "decide"]
+    assert events[0]["admit"] and not events[3]["admit"] and events[3]["tpot"] > 20.0
+    assert events[1]["ticket"] == events[2]["ticket"] == ticket and events[2]["tpot"] == 12.0
+    assert events[2]["tpot_life"] == pytest.approx(events[1]["tpot"])
+
+
 def test_the_gate_closes_on_a_refusal_until_a_completion_or_its_time_runs_out():
     gate = AdmissionGate()
     assert not gate.closed()

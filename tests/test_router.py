@@ -331,7 +331,7 @@ def test_router_keeps_the_prediction_of_a_ticketed_request_for_the_replica_it_we
         chosen = ranks[0][0]
         assert chosen.replica_id.unique_id == "r0"
         router.on_request_routed(request, chosen.replica_id, None)
-        replica, ttft, _ = loop._routed[ticket]
+        replica, ttft, *_ = loop._routed[ticket]
         assert replica == chosen.replica_id and ttft > 0 and loop._forecasts[replica][-1][1] > 0
         assert not loop.gate.closed()
         # A request's own SLO that no replica meets: refused, the gate stays open for the others.

@@ -36,6 +36,20 @@ def test_simulate_bench_writes_its_contract_with_the_engines_in_workers(tmp_path
     assert {"replicas", "rate", "sim_seconds", "wall_s", "requests", "sim_requests_per_wall_s"} <= set(data)
     assert data["simulated"] is True and data["replicas"] == 8 and data["workers"] == 2 and data["requests"] > 100
     assert data["steps"] > 0 and 0 < data["planner_ms_per_step"] < data["wall_ms_per_step"]
+    assert 0 < data["route_ms_per_request"] and data["served"]["attainment"] > 0.5
+
+
+def test_simulate_overload_writes_overloads_rows_per_seed_and_refuses_unknown_settings(tmp_path):
+    out = tmp_path / "overload.json"
+    proc = run("simulate", "overload", "--replicas", "1", "--capacity", "60", "--multiples", "1,4", "--duration", "2",
+               "--drain", "5", "--seeds", "0,1", "--admission-set", "trust=0.5", "--json", str(out))
+    assert "SIMULATED" in proc.stdout and "medians over 2 seeds" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["simulated"] is True and data["admission"]["trust"] == 0.5 and [r["seed"] for r in data["runs"]] == [0, 1]
+    assert all([row["multiple"] for row in r["rows"]] == [1.0, 4.0] and r["off_1x"]["rejected_share"] == 0.0 for r in data["runs"])
+    assert data["runs"][0]["rows"][1]["rejected_share"] > data["runs"][0]["rows"][0]["rejected_share"]
+    bad = run("simulate", "overload", "--capacity", "60", "--admission-set", "trust=abc", check=False)
+    assert bad.returncode == 2 and "--admission-set" in bad.stderr
 
 
 def test_demo_says_it_is_offline():

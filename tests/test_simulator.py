@@ -92,6 +92,36 @@ def test_admission_refuses_past_capacity_and_admitted_requests_keep_their_slo():
     assert on.met_slo / max(on.succeeded, 1) > off.met_slo / max(off.succeeded, 1)  # control: without it, more miss
 
 
+def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with_the_trust_bound():
+    """The CPU deployment's twin (its profile, the embedded pair's traces, the host model of the validation) at 4x
+    its capacity: admission on predictions and their measured errors alone admits bursts whose requests miss
+    together (the engines slow down with the host's load, which the predictions see only when measured); bounding
+    each replica's requests in flight by what was measured to meet the SLOs keeps them (`AdmissionConfig.trust`)."""
+    from pathlib import Path
+
+    from cluster.sim.fleet import HostModel
+    from cluster.sim.overload import simulate_overload
+    from cluster.sim.validate import ValidateResult
+
+    root = Path(__file__).resolve().parents[1]
+    fit = ValidateResult.model_validate_json((root / "results/sim/validate.json").read_text()).host
+    slo = SLOConfig(ttft_ms=1000.0, tpot_ms=20.0)
+    base = FleetConfig(replicas=2, profile="cpu-embedded", traces=root / "replicas/models/weights/traces.npz",
+                       host=HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms), request_ms=fit.request_ms,
+                       admission=AdmissionConfig(ttft_ms=1000.0, tpot_ms=20.0))
+    load = LoadConfig(rate=20.0, duration_s=30.0)
+
+    def at_4x(admission: AdmissionConfig):
+        config = variant_fleet(base.model_copy(update={"admission": admission}), VARIANTS["wcs"], slo)
+        return simulate_overload(config, load, slo, 20.0, [1.0, 4.0], [3]).runs[0]
+
+    trusting = at_4x(base.admission)  # the default bound
+    assert trusting.rows[1].attainment_admitted >= 0.9 and trusting.rows[1].goodput >= 0.9 * trusting.rows[0].goodput
+    assert trusting.admission_cost_1x <= 0.05
+    control = at_4x(base.admission.model_copy(update={"trust": None}))
+    assert control.rows[1].attainment_admitted < 0.85, control.rows[1]
+
+
 def test_one_engine_at_constant_cost_and_acceptance_runs_the_closed_form_tokens_per_step():
     """static at width K with acceptance h at every position: E[tokens per step] = 1 + sum_{j<=K} h^j."""
     k, h = 4, 0.8

@@ -87,19 +87,25 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def keyed_uniforms(seed: int, request: np.ndarray, position: np.ndarray, n: int) -> np.ndarray:
+def _point(request: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """The (request, position) part of `keyed_uniforms`' key, shared by every seed."""
+    with np.errstate(over="ignore"):
+        return (_mix(np.asarray(request, dtype=np.uint64) + _GOLDEN)
+                + _mix(np.asarray(position, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)))
+
+
+def keyed_uniforms(seed: int, request: np.ndarray, position: np.ndarray, n: int, point: np.ndarray | None = None) -> np.ndarray:
     """(B, n) uniforms in (0, 1) that depend only on (seed, request, position): every policy simulated with a
     seed meets the same acceptance at the same point of the same request (common random numbers), however
-    differently it drafts."""
+    differently it drafts. `point`: `_point(request, position)`, when the caller has it already."""
     with np.errstate(over="ignore"):
-        base = _mix(np.uint64(seed) * _GOLDEN + _mix(np.asarray(request, dtype=np.uint64) + _GOLDEN)
-                    + _mix(np.asarray(position, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)))
+        base = _mix(np.uint64(seed) * _GOLDEN + (_point(request, position) if point is None else point))
         x = _mix(base[:, None] + (np.arange(1, n + 1, dtype=np.uint64) * _GOLDEN)[None, :])
     return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
-def keyed_normals(seed: int, request: np.ndarray, position: np.ndarray, n: int) -> np.ndarray:
-    u = keyed_uniforms(seed, request, position, 2 * n)
+def keyed_normals(seed: int, request: np.ndarray, position: np.ndarray, n: int, point: np.ndarray | None = None) -> np.ndarray:
+    u = keyed_uniforms(seed, request, position, 2 * n, point)
     return np.sqrt(-2.0 * np.log(u[:, :n])) * np.cos(2.0 * np.pi * u[:, n:])
 
 
@@ -108,7 +114,10 @@ class AcceptanceProcess:
 
     def __init__(self, model: AcceptanceModel, k: int, seed: int = 0) -> None:
         self.model, self.k, self.seed = model, k, seed
-        self._curves = {d: logit(a.curve(k)) for d, a in model.domains.items()}
+        self._names = list(model.domains)
+        self._index = {d: i for i, d in enumerate(self._names)}
+        self._curve_rows = np.stack([logit(model.domains[d].curve(k)) for d in self._names])  # (domains, K)
+        self._step_sd = np.array([model.domains[d].step_sd for d in self._names])
 
     def domain(self, name: str) -> DomainAcceptance:
         if name not in self.model.domains:
@@ -123,12 +132,16 @@ class AcceptanceProcess:
         """One drafting step of a batch; `requests` (B,) are the requests' keys (default 0..B-1)."""
         b, k, m = len(domains), self.k, self.model
         keys = np.arange(b) if requests is None else np.asarray(requests)
-        normals = keyed_normals(self.seed, keys, np.asarray(generated), 2 + k)
-        uniforms = keyed_uniforms(self.seed + 1, keys, np.asarray(generated), k)
-        step_sd = np.array([self.domain(d).step_sd for d in domains])
-        z = np.asarray(offsets, dtype=np.float64) + normals[:, 0] * step_sd
-        base = np.stack([self._curves[d] for d in domains]) if b else np.zeros((0, k))
-        hazards = sigmoid(base + z[:, None])
+        point = _point(keys, np.asarray(generated))
+        normals = keyed_normals(self.seed, keys, generated, 2 + k, point)
+        uniforms = keyed_uniforms(self.seed + 1, keys, generated, k, point)
+        try:
+            at = np.array([self._index[d] for d in domains], dtype=np.int64)
+        except KeyError as missing:
+            self.domain(missing.args[0])  # raises, naming the model's domains
+            raise
+        z = np.asarray(offsets, dtype=np.float64) + normals[:, 0] * self._step_sd[at]
+        hazards = sigmoid(self._curve_rows[at] + z[:, None])
         accept_len = np.cumprod(uniforms < hazards, axis=1).sum(axis=1).astype(np.int64)
         features = np.column_stack([z + normals[:, 1] * m.feature_sd, np.log1p(np.asarray(generated, dtype=np.float64))])
         confidence = sigmoid(logit(np.clip(hazards, 1e-4, 1 - 1e-4)) + normals[:, 2:] * m.confidence_sd)

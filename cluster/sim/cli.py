@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -219,6 +220,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from cluster.sim.compare import VARIANTS, variant_fleet
     from cluster.sim.fleet import Fleet
+    from loadtest.report import build_report
 
     fleet, load, slo = _inputs(args, args.rate)
     fleet = variant_fleet(fleet, VARIANTS[args.variant], slo)
@@ -231,11 +233,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = {"simulated": True, "profile": fleet.profile, "replicas": fleet.replicas, "rate": load.rate,
            "sim_seconds": load.duration_s, "workers": fleet.workers, "wall_s": wall, "requests": len(rows), "steps": steps,
            "sim_requests_per_wall_s": len(rows) / wall, "wall_ms_per_step": 1e3 * wall / max(steps, 1),
-           "planner_ms_per_step": 1e3 * sum(e.plan_s for e in sim.engines) / max(steps, 1)}
+           "planner_ms_per_step": 1e3 * sum(e.plan_s for e in sim.engines) / max(steps, 1),
+           "route_ms_per_request": 1e3 * sim.route_s / max(len(rows), 1)}
+    report = build_report(rows, slo, load.rate, load.duration_s)  # what the simulated fleet served
+    out["served"] = report.model_dump(mode="json", include={"attainment", "goodput_rps", "request_throughput_rps",
+                                                             "tpot_ms", "ttft_ms"})
     print(f"{len(rows)} requests, {steps} engine steps in {wall:.1f} s wall ({fleet.workers} workers): "
           f"{out['sim_requests_per_wall_s']:.0f} simulated requests per wall second, {out['wall_ms_per_step']:.3f} ms per "
-          f"engine step, {out['planner_ms_per_step']:.3f} ms of it in the planner")
+          f"engine step, {out['planner_ms_per_step']:.3f} ms of it in the planner (in the engines' processes), "
+          f"{out['route_ms_per_request']:.3f} ms per request routing; simulated SLO attainment {report.attainment:.1%}")
     _write(args.json, out)
+    return 0
+
+
+def cmd_overload(args: argparse.Namespace) -> int:
+    import yaml
+    from pydantic import ValidationError
+    from tqdm import tqdm
+
+    from cluster.sim.compare import VARIANTS, variant_fleet
+    from cluster.sim.overload import simulate_overload
+    from loadtest.overload import format_overload
+
+    args.admission = True
+    fleet, load, slo = _inputs(args, args.capacity)
+    fleet = variant_fleet(fleet, VARIANTS[args.variant], slo)
+    try:
+        settings = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.admission_set)}
+        admission = fleet.admission.model_validate({**fleet.admission.model_dump(), **settings})
+    except (ValueError, ValidationError) as e:  # (a setting without "=", an unknown key, a bad value)
+        print(f"error: --admission-set takes KEY=VALUE of router.admission's settings: {e}", file=sys.stderr)
+        return 2
+    fleet = fleet.model_copy(update={"admission": admission})
+    print(_label(fleet))
+    multiples = [float(m) for m in args.multiples.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    with tqdm(total=len(seeds) * len(multiples), desc="simulate overload", unit="run") as bar:
+        result = simulate_overload(fleet, load, slo, args.capacity, multiples, seeds, progress=bar.update)
+    for run in result.runs:
+        print(f"seed {run.seed} (SIMULATED)\n{format_overload(run)}")
+    m = result.median
+    print(f"medians over {len(seeds)} seeds: admission cost at 1x {m['admission_cost_1x']:.1%}; " + "; ".join(
+        f"{k}x goodput {m['goodput_of_1x'][k]:.2f} of 1x, admitted attainment {m['attainment_admitted'][k]:.1%}"
+        for k in m["goodput_of_1x"]))
+    _write(args.json, result.model_dump(mode="json"))
     return 0
 
 
@@ -366,6 +407,15 @@ def add_parser(sub) -> None:
     val.add_argument("--real-compare", metavar="PATH", help="a `forespark compare` JSON whose policy ordering the simulator must match")
     val.add_argument("--json", metavar="PATH")
     val.set_defaults(func=cmd_validate)
+    over = ss.add_parser("overload", help="goodput under overload with admission on, as `forespark overload` reports it")
+    over.add_argument("--capacity", type=float, required=True, help="the sustainable rate (req/s) the multiples scale")
+    over.add_argument("--multiples", default="1,2,4")
+    over.add_argument("--seeds", default=None, help="e.g. 0,1,2 (default --seed): each a run of every multiple, medians reported")
+    over.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))
+    over.add_argument("--admission-set", action="append", default=[], metavar="KEY=VALUE",
+                      help="an admission setting (router.admission's keys, e.g. trust=0.25), repeatable")
+    common(over, 30.0)
+    over.set_defaults(func=cmd_overload)
     bench = ss.add_parser("bench", help="simulator speed: simulated requests per wall second")
     bench.add_argument("--rate", type=float, default=100.0)
     bench.add_argument("--variant", default="wcs", choices=sorted(VARIANTS))

@@ -25,6 +25,7 @@ import heapq
 import math
 import itertools
 import random
+import time
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Literal
@@ -248,6 +249,7 @@ class Fleet:
         self.serving = np.flatnonzero(self.autoscaler.routable) if self.autoscaler else np.arange(n)
         self.stats: list = []
         self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}  # as the router counts them
+        self.route_s = 0.0  # wall time in routing and admission decisions (what `simulate bench` reports)
         self.emitted_by_end = 0
         self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
 
@@ -291,6 +293,7 @@ class Fleet:
             prompt_tokens=estimated_prompt_tokens(len(r.prompt), self._prompts),
             pending_prompt_tokens=self.prompts_routed[r.ingress, serving] * scale,
             drain_rates=self.drain.rates([int(i) for i in serving], now) if admission else None,
+            proven_levels=self.loop.proven_levels([int(i) for i in serving]) if admission else None,
             waited_ms=waited_ms,
             now=now,
         )
@@ -301,20 +304,23 @@ class Fleet:
             return "refused"
         self.decisions["ranked"] += 1
         order = serving[decided.order]  # positions in `arrays` to replica indices
-        tied = [int(i) for i in order[: decided.tied] if free[i]]
-        if tied:
-            pick = min(tied, key=lambda i: self.in_flight[i])
+        tied = order[: decided.tied]
+        tied = tied[free[tied]]
+        if len(tied):
+            pick = int(tied[np.argmin(self.in_flight[tied])])  # the first of the least loaded, in rank order
         else:
-            rest = [int(i) for i in order[decided.tied :] if free[i]]
-            if not rest:
+            rest = order[decided.tied :]
+            rest = rest[free[rest]]
+            if not len(rest):
                 return None
-            pick = rest[0]
+            pick = int(rest[0])
         if self.loop is not None:
             at = int(np.searchsorted(serving, pick))
             r.ticket = self.loop.ticket()
             correction = decided.correction
             ttft, tpot = correction.undo(decided.decision.ttft_ms, decided.decision.tpot_ms)
-            self.loop.routed(r.ticket, pick, float(ttft[at]), float(tpot[at]), now)
+            d = decided.decision
+            self.loop.routed(r.ticket, pick, float(ttft[at]), float(tpot[at]), now, float(d.level[at]), float(d.tpot_slo_ms[at]))
         return pick
 
     def _count_outputs(self, now: float) -> None:
@@ -379,7 +385,9 @@ class Fleet:
                 heapq.heappush(events, (now, next(seq), "step", i))
 
         def place(r: SimRequest, now: float) -> bool:
+            routing = time.perf_counter()
             choice = self._choose(r, now)
+            self.route_s += time.perf_counter() - routing
             if choice is None:
                 return False
             if choice == "refused":

@@ -258,7 +258,8 @@ def remaining_estimate(spec: BuildSpec, unit: dict[str, float], phase: str, targ
     # A polish step: a likelihood batch, a greedy continuation of its prefixes, and the unlikelihood pass over them.
     ul_step = unit["target_step"] * (p.unlikelihood_mle_batch * t.seq_len + p.unlikelihood_prefixes
                                      * (p.unlikelihood_prefix_len + p.unlikelihood_new_tokens)) / (t.target_batch * t.seq_len)
-    ul_step += unit.get("polish_gen_prefill", unit["gen_prefill"]) + p.unlikelihood_new_tokens * unit.get("polish_gen_token", unit["gen_token"])
+    prefill, per_token = unit.get("polish_gen_prefill", unit["gen_prefill"]), unit.get("polish_gen_token", unit["gen_token"])
+    ul_step += prefill + p.unlikelihood_new_tokens * per_token
     out = {
         "target": (t.target_steps - target_step) * unit["target_step"] if order == 0 else 0.0,
         "continuations": gen if order <= 1 else 0.0,

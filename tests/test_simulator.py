@@ -122,6 +122,34 @@ def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with
     assert control.rows[1].attainment_admitted < 0.85, control.rows[1]
 
 
+def test_refused_requests_take_host_cpu_from_the_engines_and_nothing_else_does():
+    """The host model charges each refusal `refusal_cpu_ms` of the cores the engines share: under overload fewer
+    requests are then served within their SLOs; with nothing refused it changes nothing (negative control)."""
+    from pathlib import Path
+
+    from cluster.sim.fleet import HostModel
+
+    root = Path(__file__).resolve().parents[1]
+    slo = SLOConfig(ttft_ms=1000.0, tpot_ms=20.0)
+    base = FleetConfig(replicas=2, profile="cpu-embedded", traces=root / "replicas/models/weights/traces.npz",
+                       host=HostModel(cores=2.0, event_cpu_ms=0.2), admission=AdmissionConfig(ttft_ms=1000.0, tpot_ms=20.0))
+
+    def rows(refusal_cpu_ms: float, rate: float, admission: bool) -> list:
+        host = base.host.model_copy(update={"refusal_cpu_ms": refusal_cpu_ms})
+        config = variant_fleet(base.model_copy(update={"host": host, "admission": base.admission if admission else None}),
+                               VARIANTS["wcs"], slo)
+        return Fleet(config, seed=1).run(LoadConfig(rate=rate, duration_s=8.0, seed=1))
+
+    def good(rows) -> int:
+        return sum(r.status == 200 and r.meets(slo) for r in rows)
+
+    cheap, costly = rows(0.0, 80.0, True), rows(20.0, 80.0, True)
+    assert sum(r.status == 429 for r in cheap) > 0.5 * len(cheap)
+    assert good(costly) < 0.9 * good(cheap), (good(cheap), good(costly))
+    quiet, quiet_costly = rows(0.0, 6.0, False), rows(20.0, 6.0, False)
+    assert [(r.status, r.ttft_ms, r.tpot_ms) for r in quiet] == [(r.status, r.ttft_ms, r.tpot_ms) for r in quiet_costly]
+
+
 def test_one_engine_at_constant_cost_and_acceptance_runs_the_closed_form_tokens_per_step():
     """static at width K with acceptance h at every position: E[tokens per step] = 1 + sum_{j<=K} h^j."""
     k, h = 4, 0.8

@@ -6,6 +6,8 @@
     forespark simulate sweep [--json P]            throughput at matched per-request rate over concurrency
     forespark simulate bench [--json P]            simulated requests per wall second at a fleet size
     forespark simulate validate [--json P]         the real CPU deployment against the simulator, same arrivals
+    forespark simulate autoscale [--json P]        the headroom autoscaling policy against Serve's default
+    forespark simulate overload --capacity R       goodput at multiples of a capacity with admission on
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ def _slo(args: argparse.Namespace):
 
 
 def _inputs(args: argparse.Namespace, rate: float):
+    """The fleet, load and SLOs the command line describes; a value out of range ends the command (exit 2)."""
+    from pydantic import ValidationError
+
+    try:
+        return _fleet_load_slo(args, rate)
+    except ValidationError as e:
+        print(f"forespark simulate: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _fleet_load_slo(args: argparse.Namespace, rate: float):
     from cluster.admission import AdmissionConfig
     from cluster.sim.engine import EngineSpec
     from cluster.sim.fleet import FleetConfig, FleetDescription, LoadConfig
@@ -55,7 +68,8 @@ def _inputs(args: argparse.Namespace, rate: float):
         from cluster.sim.validate import ValidateResult
 
         fit = ValidateResult.model_validate_json(Path(args.host_from).read_text()).host
-        host = {"host": HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms), "request_ms": fit.request_ms}
+        host = {"host": HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms, refusal_cpu_ms=args.refusal_cpu_ms),
+                "request_ms": fit.request_ms}
     fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine, groups=groups,
                         traces=Path(args.traces) if args.traces else None,
                         max_ongoing_requests=args.max_num_seqs, admission=admission, ingresses=args.ingresses,
@@ -322,6 +336,8 @@ def add_parser(sub) -> None:
         p.add_argument("--max-num-seqs", type=int, default=64, help="each engine's batch (and Serve's max_ongoing_requests)")
         p.add_argument("--host-from", metavar="PATH", help="CPU replicas: the host model (cores shared with the serving path, "
                        "HTTP time per request) fitted by a `simulate validate` JSON, e.g. results/sim/validate.json")
+        p.add_argument("--refusal-cpu-ms", type=float, default=0.0, metavar="MS", help="with --host-from: the serving path's "
+                       "CPU per refused request, which the validation does not fit (docs/overload.md; default 0)")
         p.add_argument("--admission", action="store_true", help="SLO-aware admission at the ingress (cluster/admission.py)")
         p.add_argument("--ingresses", type=int, default=1, help="ingress replicas routing at once, each with its own in-flight "
                        "accounting (variant wcs-local-count: without the router's extrapolation to the others)")

@@ -62,17 +62,20 @@ VLLM_ADAPTIVE = "vllm-adaptive"  # vLLM's own adaptive verification (cluster/sim
 class HostModel(BaseModel):
     """Engines that share their host's CPUs with the serving path (CPU replicas). Each output event (a
     request's tokens of one step, one streamed message) costs the replica's output processing, the
-    ingress's relay, the proxy and the load generator `event_cpu_ms` of CPU. While the busy engines (a core
+    ingress's relay, the proxy and the load generator `event_cpu_ms` of CPU, and each refused request
+    (429) the proxy, the ingress and the load generator `refusal_cpu_ms`. While the busy engines (a core
     each at most) and the serving path together want more than the cores, every process gets its share of
     the overload (the kernel's fair scheduler), and each engine's step runs that much slower. A GPU
     replica's engine does not share: no host model."""
 
     cores: float = Field(gt=0, description="CPUs the engines and the serving path share")
     event_cpu_ms: float = Field(default=0.0, ge=0, description="serving-path CPU per output event")
-    window_s: float = Field(default=1.0, gt=0, description="the event rate is averaged over about this long")
+    refusal_cpu_ms: float = Field(default=0.0, ge=0, description="serving-path CPU per refused request (not fitted by "
+                                  "`simulate validate`, whose runs refuse nothing: measured, docs/overload.md)")
+    window_s: float = Field(default=1.0, gt=0, description="the event and refusal rates are averaged over about this long")
 
-    def speed(self, busy_engines: int, events_per_s: float) -> float:
-        demand = busy_engines + events_per_s * self.event_cpu_ms / 1000.0
+    def speed(self, busy_engines: int, events_per_s: float, refusals_per_s: float = 0.0) -> float:
+        demand = busy_engines + (events_per_s * self.event_cpu_ms + refusals_per_s * self.refusal_cpu_ms) / 1000.0
         return min(1.0, self.cores / max(demand, 1e-9))
 
 
@@ -252,6 +255,7 @@ class Fleet:
         self.route_s = 0.0  # wall time in routing and admission decisions (what `simulate bench` reports)
         self.emitted_by_end = 0
         self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
+        self._refusal_rate, self._refused_seen = 0.0, 0
 
     # -- routing -------------------------------------------------------------------------------------------
     def _refresh_stats(self, now: float, shards: EngineShards | None = None) -> None:
@@ -324,20 +328,22 @@ class Fleet:
         return pick
 
     def _count_outputs(self, now: float) -> None:
-        """The fleet's output-event rate, an exponential average over `host.window_s` (for the host model)."""
+        """The fleet's output-event and refusal rates, exponential averages over `host.window_s` (for the host model)."""
         if self.config.host is None:
             return
         emitted = sum(e.outputs for e in self.engines)
         dt = now - self._rate_at
         if dt > 0:
             w = math.exp(-dt / self.config.host.window_s)
+            refused = self.decisions["refused"] + self.decisions["gated"]
             self._event_rate = w * self._event_rate + (1 - w) * (emitted - self._emitted_seen) / dt
-            self._rate_at, self._emitted_seen = now, emitted
+            self._refusal_rate = w * self._refusal_rate + (1 - w) * (refused - self._refused_seen) / dt
+            self._rate_at, self._emitted_seen, self._refused_seen = now, emitted, refused
 
     def _speed(self, stepping: list[bool], now: float) -> float:
         if self.config.host is None:
             return 1.0
-        return self.config.host.speed(sum(stepping), self._event_rate)
+        return self.config.host.speed(sum(stepping), self._event_rate, self._refusal_rate)
 
     def _shards(self) -> EngineShards | None:
         if not self.config.workers:

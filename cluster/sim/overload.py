@@ -26,6 +26,7 @@ class SimOverload(BaseModel):
     simulated: bool = True
     capacity: float
     admission: dict
+    host: dict | None = None  # the host model the engines shared their CPUs under (`HostModel`), if any
     runs: list[SeedRun]
     median: dict[str, dict[str, float | None] | float | None]
 
@@ -67,6 +68,7 @@ def simulate_overload(fleet: FleetConfig, load: LoadConfig, slo: SLOConfig, capa
     return SimOverload(
         capacity=capacity,
         admission=fleet.admission.model_dump(),
+        host=fleet.host.model_dump() if fleet.host is not None else None,
         runs=runs,
         median={
             "admission_cost_1x": median([r.admission_cost_1x for r in runs]),

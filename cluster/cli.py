@@ -211,6 +211,27 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refusal_cpu(args: argparse.Namespace) -> int:
+    """`forespark overload --refusal-cpu`: the host CPU one refused request takes (loadtest/refusal_cpu.py)."""
+    import httpx
+
+    from loadtest.refusal_cpu import measure_refusal_cpu
+
+    if args.refusal_requests < 1:
+        print("forespark overload: error: --refusal-requests must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        result = measure_refusal_cpu(args.url, args.model, args.api_key, requests=args.refusal_requests)
+    except (RuntimeError, OSError, httpx.HTTPError) as e:
+        print(f"forespark overload: {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(f"{result.refused} refusals in {result.seconds:.1f} s: host busy {result.busy_cores:.2f} cores against "
+          f"{result.baseline_cores:.2f} idle; {result.refusal_cpu_ms:.2f} ms of CPU per refusal "
+          "(simulate ... --refusal-cpu-ms)")
+    _write_json(args.json or str(Path(args.out) / "refusal_cpu.json"), result.model_dump(mode="json"))
+    return 0
+
+
 def cmd_capacity(args: argparse.Namespace) -> int:
     from loadtest.capacity import capacity, format_path, format_probe, plot_capacity
 
@@ -229,6 +250,8 @@ def cmd_overload(args: argparse.Namespace) -> int:
     from loadtest.capacity import capacity, format_probe
     from loadtest.overload import OverloadResult, format_overload, off_row_from, run_row, with_off
 
+    if args.refusal_cpu:
+        return _refusal_cpu(args)
     try:
         multiples = [float(m) for m in args.multiples.split(",") if m]
     except ValueError:
@@ -687,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "admission-off server, where both cannot run at once (same --seed; --capacity defaults to that run's)")
     over.add_argument("--start-rate", type=float, default=8.0)
     over.add_argument("--bisect-steps", type=int, default=3)
+    over.add_argument("--refusal-cpu", action="store_true", help="instead: measure the host CPU one refused request "
+                      "takes (a server on this host, admission on; for `simulate --refusal-cpu-ms`)")
+    over.add_argument("--refusal-requests", type=int, default=500, help="--refusal-cpu: refusals to send (default 500)")
     _add_load_options(over, "results/overload", 30.0)
     over.set_defaults(func=cmd_overload)
 

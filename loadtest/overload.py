@@ -11,7 +11,9 @@ then runs one load test per multiple and reports, per row:
 - `reject_p99_ms`: p99 time to the refusal;
 - `errors_5xx`: responses with a 5xx status;
 - `arrival_lag_p99_ms`: how late the load generator sent requests (above
-  `report.LAG_WARN_MS` the generator, not the server, shaped the arrivals).
+  `report.LAG_WARN_MS` the generator, not the server, shaped the arrivals);
+- `host_busy_cores`: this host's busy CPU cores over the run (`/proc/stat`):
+  the load generator's, and the server's when it runs here.
 
 With `--off-url` (the same application with `router.admission.enabled:
 false`), the 1x load also runs there, back to back, and `admission_cost_1x`
@@ -25,12 +27,14 @@ that file, so the JSON says that the two were measured one after the other.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel
 
 from loadtest.config import LoadTestConfig, SLOConfig
+from loadtest.refusal_cpu import busy_seconds
 from loadtest.report import LoadTestReport, RequestRow
 
 
@@ -48,6 +52,8 @@ class OverloadRow(BaseModel):
     refused_in_proxy_share: float | None = None
     reject_p99_ms_proxy: float | None = None
     reject_p99_ms_ingress: float | None = None
+    # This host's busy CPU cores over the run (load generator included; the server's too when it runs here).
+    host_busy_cores: float | None = None
 
 
 class OverloadResult(BaseModel):
@@ -106,9 +112,12 @@ def run_row(base: LoadTestConfig, slo: SLOConfig, multiple: float, capacity: flo
 
     rate = multiple * capacity
     config = base.model_copy(update={"rate": rate, "out_dir": Path(base.out_dir) / f"{label}x{multiple:g}"})
+    t0, busy0 = time.perf_counter(), busy_seconds()
     rows = run_locust(config)
+    cores = (busy_seconds() - busy0) / (time.perf_counter() - t0)
     report = build_report(rows, slo, rate, config.duration_s)
-    return overload_row(multiple, rate, read_rows(config.out_dir), report, slo)
+    row = overload_row(multiple, rate, read_rows(config.out_dir), report, slo)
+    return row.model_copy(update={"host_busy_cores": cores})
 
 
 def format_overload(result: OverloadResult) -> str:
@@ -117,7 +126,7 @@ def format_overload(result: OverloadResult) -> str:
 
     lines = [f"capacity {result.capacity:g} req/s",
              f"{'multiple':>8} {'rate':>7} {'goodput':>8} {'attain.adm':>10} {'rejected':>8} {'rej p99 ms':>10} {'5xx':>4} {'lag p99 ms':>10}"
-             f" {'in proxy':>8} {'proxy p99':>9} {'ingress p99':>11}"]
+             f" {'in proxy':>8} {'proxy p99':>9} {'ingress p99':>11} {'host cores':>10}"]
     rows = result.rows + ([result.off_1x] if result.off_1x else [])
     for i, r in enumerate(rows):
         name = f"{r.multiple:g}x" + (" off" if i == len(result.rows) else "")
@@ -125,6 +134,7 @@ def format_overload(result: OverloadResult) -> str:
             f"{name:>8} {r.rate:7.2f} {r.goodput:8.2f} {f(r.attainment_admitted, '10.1%')} {r.rejected_share:8.1%} "
             f"{f(r.reject_p99_ms, '10.0f')} {r.errors_5xx:4d} {f(r.arrival_lag_p99_ms, '10.0f')}"
             f" {f(r.refused_in_proxy_share, '8.1%')} {f(r.reject_p99_ms_proxy, '9.0f')} {f(r.reject_p99_ms_ingress, '11.0f')}"
+            f" {f(r.host_busy_cores, '10.2f')}"
         )
     if result.admission_cost_1x is not None:
         lines.append(f"admission cost at 1x: {result.admission_cost_1x:.1%} of goodput (target <= 3%)"

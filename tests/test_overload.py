@@ -62,3 +62,15 @@ def test_admission_cost_against_an_earlier_admission_off_run_at_the_same_rate(tm
         with_off(OverloadResult(capacity=12.0, rows=[r(1.0, 12.0, 9.6)]), off_row_from(path), str(path))
     with pytest.raises(ValueError, match="1x"):
         with_off(OverloadResult(capacity=10.0, rows=[r(2.0, 20.0, 9.5)]), off_row_from(path), str(path))
+
+
+def test_host_busy_time_is_read_from_proc_stat_without_idle_and_io_wait(tmp_path):
+    import os
+
+    from cluster.admission import TTFT_HEADER
+    from loadtest.refusal_cpu import TTFT_HEADER as SENT_HEADER, busy_seconds
+
+    assert SENT_HEADER == TTFT_HEADER  # the probe's refusals use the header admission reads
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 10 50 800 40 5 5 0 0 0\ncpu0 50 5 25 400 20 2 3 0 0 0\n")
+    assert busy_seconds(stat) == (100 + 10 + 50 + 5 + 5) / os.sysconf("SC_CLK_TCK")

@@ -267,6 +267,15 @@ def test_admission_refuses_at_once_a_request_whose_own_slo_no_replica_can_meet(a
     assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
 
 
+def test_the_host_cpu_of_a_refusal_is_measured_over_refusals_only(app):
+    from loadtest.refusal_cpu import measure_refusal_cpu
+
+    r = measure_refusal_cpu(URL, api_key=KEY, requests=60, quiet_s=1.0)
+    assert r.refused == 60 and r.busy_cores > r.baseline_cores and 0.1 < r.refusal_cpu_ms < 200.0, r
+    with pytest.raises(RuntimeError, match="401"):  # a plain completion must be served first
+        measure_refusal_cpu(URL, api_key="wrong", requests=1, quiet_s=0.1)
+
+
 def fuzz_outcome(path: str, raw: bytes) -> tuple[int, str | None]:
     """(status, what is wrong with the reply or None): 4xx must carry an OpenAI error body, a stream must
     end with [DONE]; an error event inside a stream reports its own code as the status."""

@@ -91,6 +91,11 @@ def _label(fleet) -> str:
 
     accept = (f"acceptance replayed from {fleet.traces}" if fleet.traces else
               f"acceptance model {fleet.acceptance} ({ACCEPTANCE_MODELS[fleet.acceptance].source})")
+    if fleet.groups:
+        names = dict.fromkeys(g.profile for g in fleet.groups)
+        groups = ", ".join(f"{g.count} x {g.profile}{'' if g.drafter else ' without a drafter'}" for g in fleet.groups)
+        costs = "; ".join(f"{name}: {load_profile(name).source}" for name in names)
+        return f"SIMULATED: fleet of {groups} (cost profiles {costs}); {accept}"
     return f"SIMULATED: cost profile {fleet.profile} ({load_profile(fleet.profile).source}); {accept}"
 
 

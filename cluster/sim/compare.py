@@ -59,7 +59,8 @@ def simulate_capacity(fleet: FleetConfig, load: LoadConfig, slo: SLOConfig, star
 
 class SimCompareResult(BaseModel):
     simulated: bool = True
-    profile: str
+    profile: str  # (a heterogeneous fleet's first group's; `groups` has them all)
+    groups: list[dict] | None = None  # a heterogeneous fleet's replica groups (`--fleet`)
     acceptance: str
     replicas: int
     slo: SLOConfig
@@ -88,7 +89,8 @@ def simulate_compare(base: FleetConfig, load: LoadConfig, slo: SLOConfig, names:
             on_result(name, results[name])
     present = {k: ab for k, ab in RATIOS.items() if all(x in results for x in ab)}
     return SimCompareResult(
-        profile=base.profile, acceptance=f"replay:{base.traces}" if base.traces else base.acceptance, replicas=base.replicas, slo=slo, variants=results,
+        profile=base.profile, groups=[g.model_dump() for g in base.groups] if base.groups else None,
+        acceptance=f"replay:{base.traces}" if base.traces else base.acceptance, replicas=base.replicas, slo=slo, variants=results,
         ratios={k: ratio(results, a, b) for k, (a, b) in present.items()},
         crossing_ratios={k: ratio(results, a, b, "crossing_rate") for k, (a, b) in present.items()},
         wall_s=time.perf_counter() - t0,

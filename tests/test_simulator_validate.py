@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from cluster.sim.validate import METRICS, validate
+from cluster.app import AppConfig
+from cluster.sim.validate import METRICS, real_app_config, validate
 from loadtest.config import LoadTestConfig, SLOConfig
 from loadtest.run import free_port
 
@@ -22,3 +23,10 @@ def test_a_small_validation_runs_the_real_stack_and_the_simulator_on_the_same_re
     # At light load both deliver what is offered: the simulated throughput cannot be far from the real one.
     assert case.error["throughput"] < 0.3
     assert result.host.rate == 2.0 and result.host.seed == 1003  # fitted on its own run, not on the case's
+
+
+def test_the_real_servers_run_the_policy_with_admission_off():
+    """The simulator replays every request sent; a real server refusing some would be compared on others."""
+    app = AppConfig.model_validate(real_app_config("dspark", 2, SLOConfig(ttft_ms=1000.0, tpot_ms=20.0)))
+    assert not app.router.admission.enabled and app.replica.num_replicas == 2
+    assert app.replica.engine.wcs.policy == "dspark" and app.replica.tpot_slo_ms == 20.0

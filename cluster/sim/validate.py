@@ -1,7 +1,7 @@
 """`forespark simulate validate`: the real CPU deployment against the simulator, on the same arrivals.
 
 For each policy, a real `forespark serve` (the default application, the policy set as `forespark compare`
-sets it) takes a Locust load test at each rate. The simulator then replays each run's own requests (their
+sets it, admission off) takes a Locust load test at each rate. The simulator then replays each run's own requests (their
 scheduled arrival times, domains, prompt and output lengths) through a simulated fleet of the same size,
 pricing steps with the replicas' own profiled cost model (their cache entry on this host) and replaying the
 embedded pair's recorded acceptance traces, on which its estimators are fitted as the engine's are. Per
@@ -115,11 +115,21 @@ def simulate_rows(fleet: FleetConfig, rows: list[RequestRow], load: LoadTestConf
     return build_report(sim, slo, load.rate, load.duration_s)
 
 
+def real_app_config(policy: str, replicas: int, slo: SLOConfig) -> dict:
+    """The real server of a policy's runs: the default application with the policy as `forespark compare` sets
+    it, and admission off. The simulated fleet replays every request the load test sent; a real server that
+    refused some (429) would be compared on other requests than the simulator serves."""
+    from loadtest.compare import VARIANTS, variant_app_config
+
+    base = {"replica": {"num_replicas": replicas}, "router": {"admission": {"enabled": False}}}
+    return variant_app_config(base, VARIANTS[policy], slo)
+
+
 def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLOConfig, replicas: int, port: int,
               work: Path) -> dict[tuple[str, float, int], list[RequestRow]]:
     """(policy, rate, seed) -> the real load test's rows; one server per policy, its runs in the order given. A run
     whose rows are already in `work` (an earlier validation's: `--reuse`) is read, not measured again."""
-    from loadtest.compare import VARIANTS, ServerProcess, variant_app_config
+    from loadtest.compare import ServerProcess
     from loadtest.report import read_rows
     from loadtest.run import run_loadtest
 
@@ -128,7 +138,7 @@ def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLO
 
     found = {run: read_rows(out(*run)) for run in runs if any(out(*run).glob("requests-*.csv"))}
     for policy in dict.fromkeys(run[0] for run in runs if run not in found):
-        app = variant_app_config({"replica": {"num_replicas": replicas}}, VARIANTS[policy], slo)
+        app = real_app_config(policy, replicas, slo)
         (work / policy).mkdir(parents=True, exist_ok=True)
         with ServerProcess(app, port, work / policy) as server:
             for run in [r for r in runs if r[0] == policy and r not in found]:

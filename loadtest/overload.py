@@ -106,15 +106,24 @@ def overload_row(multiple: float, rate: float, rows: list[RequestRow], report: L
     )
 
 
+def _busy() -> float | None:
+    """`busy_seconds()`, or None on a host without `/proc/stat`."""
+    try:
+        return busy_seconds()
+    except OSError:
+        return None
+
+
 def run_row(base: LoadTestConfig, slo: SLOConfig, multiple: float, capacity: float, label: str = "") -> OverloadRow:
     from loadtest.report import build_report, read_rows
     from loadtest.run import run_locust
 
     rate = multiple * capacity
     config = base.model_copy(update={"rate": rate, "out_dir": Path(base.out_dir) / f"{label}x{multiple:g}"})
-    t0, busy0 = time.perf_counter(), busy_seconds()
+    t0, busy0 = time.perf_counter(), _busy()
     rows = run_locust(config)
-    cores = (busy_seconds() - busy0) / (time.perf_counter() - t0)
+    busy1 = _busy()
+    cores = (busy1 - busy0) / (time.perf_counter() - t0) if busy0 is not None and busy1 is not None else None
     report = build_report(rows, slo, rate, config.duration_s)
     row = overload_row(multiple, rate, read_rows(config.out_dir), report, slo)
     return row.model_copy(update={"host_busy_cores": cores})

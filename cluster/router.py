@@ -160,6 +160,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self._tpot_slope.set(correction.tpot_slope)
             if not decision.admit:
                 raise self.refuse(decision)
+            loop.gate.admitted()
             if ticket is not None:  # kept uncorrected: the feedback compares the model's own predictions
                 self._predictions[ticket] = (
                     view.position, *correction.undo(decision.ttft_ms, decision.tpot_ms), decision.level, decision.tpot_slo_ms
@@ -177,7 +178,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         """Counts a refusal (a full fleet shuts the ingress's gate) and returns what the caller raises."""
         self._refusals.inc()
         if decision.full:
-            self.loop.gate.close(self.admission.gate_s, decision.retry_after_s)
+            self.loop.gate.refused_full(self.admission.gate_s, decision.retry_after_s)
         return admission_module.AdmissionRejected(decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min()))
 
     def refusal_for_any_body(self, slo: dict | None = None) -> admission_module.Decision | None:

@@ -327,14 +327,18 @@ def test_the_admission_trace_joins_each_requests_prediction_to_its_measurement(t
     assert events[2]["tpot_life"] == pytest.approx(events[1]["tpot"])
 
 
-def test_the_gate_closes_on_a_refusal_until_a_completion_or_its_time_runs_out():
+def test_the_gate_closes_on_a_second_full_refusal_in_a_row_until_a_completion_or_its_time_runs_out():
     gate = AdmissionGate()
-    assert not gate.closed()
-    gate.close(60.0, retry_after_s=3)
-    assert gate.closed() and gate.retry_after_s == 3
+    gate.refused_full(60.0, retry_after_s=3)
+    assert not gate.closed() and gate.retry_after_s == 3  # one full refusal among admissions: a fleet at capacity
+    gate.admitted()
+    gate.refused_full(60.0, retry_after_s=3)
+    assert not gate.closed()  # control: the admission between them started the count again
+    gate.refused_full(60.0, retry_after_s=4)
+    assert gate.closed() and gate.retry_after_s == 4
     gate.open()
     assert not gate.closed()
-    gate.close(0.0, retry_after_s=1)
+    gate.refused_full(0.0, retry_after_s=1)
     assert not gate.closed()
 
 
@@ -509,7 +513,8 @@ def test_the_ingress_refuses_at_its_gate_before_reading_the_body():
 
     reads, handle, loop = [], _RecordingHandle(), AdmissionLoop(AdmissionConfig())
     with TestClient(_body_reading_app(HandleBackend(handle, IngressConfig(), loop), reads)) as client:
-        loop.gate.close(60_000.0, retry_after_s=2)
+        loop.gate.refused_full(60_000.0, retry_after_s=2)
+        loop.gate.refused_full(60_000.0, retry_after_s=2)  # (the second in a row shuts it)
         refused = client.post("/v1/completions", json=BODY)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == 429
         assert refused.headers["retry-after"] == "2" and GATE_HEADER in refused.headers
@@ -522,8 +527,8 @@ def test_the_ingress_refuses_at_its_gate_before_reading_the_body():
 def test_the_ingress_refuses_before_the_body_what_its_router_would_refuse_for_any_body():
     """With the gate open, the ingress asks its router whether admission refuses any body now
     (`AcceptanceHeadroomRouter.refusal_for_any_body`, whose soundness `tests/test_router.py` checks): every replica
-    full past the SLOs -> refused unread, the handle never called, and the gate shut as the router's own refusal
-    would. Control: with room on a replica the body is read and the handle called."""
+    full past the SLOs -> refused unread, the handle never called, and the gate shut at the second such refusal
+    as the router's own refusals would shut it. Control: with room on a replica the body is read and the handle called."""
     from fastapi.testclient import TestClient
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
@@ -545,7 +550,9 @@ def test_the_ingress_refuses_before_the_body_what_its_router_would_refuse_for_an
         routers_loop.run_until_complete(replicas([400, 400]))
         refused = client.post("/v1/completions", json=BODY)
         assert refused.status_code == 429 and "SLO" in refused.json()["error"]["message"], refused.text
-        assert GATE_HEADER in refused.headers and router.loop.gate.closed()  # a full fleet shuts the gate
+        assert GATE_HEADER not in refused.headers and not router.loop.gate.closed()  # one full refusal: not yet
+        refused = client.post("/v1/completions", json=BODY)
+        assert refused.status_code == 429 and GATE_HEADER in refused.headers and router.loop.gate.closed()  # two shut it
         assert reads == [] and handle.called == []
         router.loop.gate.open()
         routers_loop.run_until_complete(replicas([2, 3]))

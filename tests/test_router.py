@@ -339,11 +339,15 @@ def test_router_keeps_the_prediction_of_a_ticketed_request_for_the_replica_it_we
         own.kwargs["slo"] = {"tpot_ms": 0.5}
         await router.choose_replicas(replicas, own)
         assert isinstance(own.future.exception(), admission.AdmissionRejected) and not loop.gate.closed()
-        # Every replica full past the SLO: refused, and the gate shuts until a request completes.
+        # Every replica full past the SLO: refused; a second such refusal in a row shuts the gate until a request
+        # completes.
         full = fleet([400, 400])
         refused = pending()
         await router.choose_replicas(full, refused)
-        assert isinstance(refused.future.exception(), admission.AdmissionRejected) and loop.gate.closed()
+        assert isinstance(refused.future.exception(), admission.AdmissionRejected) and not loop.gate.closed()
+        again = pending()
+        await router.choose_replicas(full, again)
+        assert isinstance(again.future.exception(), admission.AdmissionRejected) and loop.gate.closed()
         router.on_request_completed(chosen.replica_id, "x")
         assert not loop.gate.closed()
 

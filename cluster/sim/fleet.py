@@ -304,8 +304,10 @@ class Fleet:
         if decided.decision is not None and not decided.decision.admit:
             self.decisions["refused"] += 1
             if decided.decision.full:
-                self.loop.gate.close(admission.gate_s, decided.decision.retry_after_s, now)
+                self.loop.gate.refused_full(admission.gate_s, decided.decision.retry_after_s, now)
             return "refused"
+        if decided.decision is not None:
+            self.loop.gate.admitted()
         self.decisions["ranked"] += 1
         order = serving[decided.order]  # positions in `arrays` to replica indices
         tied = order[: decided.tied]

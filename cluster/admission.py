@@ -358,9 +358,8 @@ class Corrections(NamedTuple):
 class AdmissionGate:
     """Open until the router refuses for a full fleet (`Decision.full`) twice with no admission between; then
     closed (the ingress answers 429 at once) until a request completes or `gate_s` passes. `retry_after_s` is
-    the router's last refusal's. One full refusal among admissions is a fleet at its capacity, not past it:
-    closing then turned the next arrivals away with it (and the proxy's replays of its refusal more), which at
-    the sustainable rate made up about two thirds of the refusals (real host, 1x: 38% refused)."""
+    the router's last refusal's. (Shut at the first, on a 2-core host, admitted attainment at 2x and 4x the
+    sustainable rate was 41-90% in two runs; at the second, 67-99% in two alternating runs: docs/results.md.)"""
 
     def __init__(self) -> None:
         self.closed_until = 0.0

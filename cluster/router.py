@@ -175,7 +175,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         return [ranked[:tied], *singles, *([tail] if tail else [])]
 
     def refuse(self, decision: admission_module.Decision) -> admission_module.AdmissionRejected:
-        """Counts a refusal (a full fleet shuts the ingress's gate) and returns what the caller raises."""
+        """Counts a refusal (one for a full fleet counts towards shutting the ingress's gate) and returns what the
+        caller raises."""
         self._refusals.inc()
         if decision.full:
             self.loop.gate.refused_full(self.admission.gate_s, decision.retry_after_s)

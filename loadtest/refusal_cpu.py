@@ -44,11 +44,12 @@ def measure_refusal_cpu(url: str, model: str = "forespark", api_key: str | None 
     """Raises RuntimeError when the server does not refuse the probes (admission off, or another answer)."""
     import httpx
 
-    headers = {TTFT_HEADER: IMPOSSIBLE_TTFT_MS, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {**auth, TTFT_HEADER: IMPOSSIBLE_TTFT_MS}
     body = {"model": model, "prompt": "x", "max_tokens": 1}
     with httpx.Client(base_url=url.rstrip("/"), timeout=60.0) as client:
         # A served request first: admission decides only once the router has its replicas' stats.
-        first = client.post("/v1/completions", json=body, headers={k: v for k, v in headers.items() if k != TTFT_HEADER})
+        first = client.post("/v1/completions", json=body, headers=auth)
         if first.status_code != 200:
             raise RuntimeError(f"a plain completion got {first.status_code}: {first.text[:200]}")
         time.sleep(1.0)

@@ -58,11 +58,23 @@ each miss and grew them on each hit oscillated here: admitted attainment
 0.80-0.84 at 2-4x in `tests/test_admission.py`'s harness).
 
 The corrections lag what admitting more does (a request's life passes before its
-measurement), so a replica is also held to at most (1 + `trust`) times the most
-requests in flight at which a recent request there met its SLOs, plus a share
-of its batch (`AdmissionLoop.proven_levels`): in the CPU deployment's simulated
-twin at 4x its capacity, admission without it alternated between bursts that
-missed together and spells that refused nearly everything.
+measurement), and the forecast barely grows with the batch where WCS is taken to
+shed speculation to hold its TPOT cap. What each replica's requests measured
+settles most decisions instead (`AdmissionLoop.proven_levels`): its proven level
+is the most requests in flight (averaged over a request's life) at which a
+recent request there met its SLOs, with at most `proven_miss_share` of those at
+that level or fewer missing theirs; a miss takes back what was proven at or
+above its level, so the level follows a host or traffic that changed. A replica
+is admitted to up to one request past its proven level whatever the forecast
+says (the forecast's margins are for what was not measured), and past that
+only where the forecast admits, up to (1 + `trust`) times its proven level (or
+`trust_burst` of its batch while none of its recent requests missed): in the CPU
+deployment's simulated twin at 4x its capacity, admission on the forecast alone
+alternated between bursts that missed together and spells that refused nearly
+everything. And a replica whose streams, as the ingress relays them, ran over
+the TPOT SLO in the last `live_window_s` takes no request: one more only slows
+them further, and the live measurement sees a host that slowed down a request's
+life before the outcomes do.
 
 `AdmissionGate` refuses at the ingress, before the handle is called, while
 the router's last two decisions were refusals for a full fleet (no replica's TPOT
@@ -116,11 +128,18 @@ class AdmissionConfig(BaseModel):
                                      "the recent errors: the predictions are held to the SLOs with it added")
     probe_s: float = Field(default=1.0, gt=0, description="while the corrected predictions refuse everything, "
                            "one request this often is admitted on the model's own, so that measurements go on")
-    trust: float | None = Field(default=0.25, ge=0, description="a replica takes at most (1 + trust) times the most "
-                                "requests in flight at which one of its recent requests met its SLOs, plus one, and never "
-                                "less than trust_burst of its batch (None: no bound)")
-    trust_burst: float = Field(default=0.25, gt=0, le=1, description="the share of a replica's batch (max_num_seqs) it "
-                               "takes whatever was proven (all it takes before any request met its SLOs there)")
+    proven_miss_share: float = Field(default=0.1, ge=0, lt=1, description="a replica's proven level is the most requests "
+                                     "in flight at which a recent request there met its SLOs, with at most this share of those "
+                                     "at that level or fewer missing theirs")
+    admit_proven: bool = Field(default=True, description="admit up to one request past a replica's proven level whatever "
+                               "the TPOT forecast says (False: the forecast decides every level)")
+    trust: float | None = Field(default=0.25, ge=0, description="past that, the forecast admits up to (1 + trust) times "
+                                "the proven level plus one (None: no bound)")
+    trust_burst: float = Field(default=0.25, gt=0, le=1, description="the share of a replica's batch (max_num_seqs) the "
+                               "forecast admits to while none of its recent requests missed their SLOs")
+    live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than the TPOT SLO per "
+                                 "token over this last window, as the ingress relayed them, takes no new request (0: not "
+                                 "measured)")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")
 
@@ -189,9 +208,12 @@ def decide(
     slo: RequestSLO | None = None,
     corrections: "Corrections | None" = None,
     proven: np.ndarray | None = None,
+    missed: np.ndarray | None = None,
+    live: np.ndarray | None = None,
 ) -> Decision:
     """Admission over one fleet view: `drain_rate` is each replica's measured completions per second;
-    `corrections` (`SLOFeedback.corrections`) are applied to the predictions (None: the model alone)."""
+    `corrections` (`SLOFeedback.corrections`) are applied to the predictions (None: the model alone);
+    `proven`, `missed` and `live`: `AdmissionLoop.proven_levels`, `missed` and `live_tpot` (None: the model alone)."""
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room)
     ttft_slo = min(config.ttft_ms, slo.ttft_ms) if slo and slo.ttft_ms else config.ttft_ms
@@ -219,12 +241,19 @@ def decide(
     floor = alone / config.tpot_share
     app_limit = np.maximum(app_tpot_slo * config.tpot_share, floor)
     tpot_slo = np.minimum(app_limit, slo.tpot_ms * config.tpot_share) if slo and slo.tpot_ms else app_limit
-    feasible = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     level = f.load + fc.n_new
-    if config.trust is not None and proven is not None:
-        first = np.maximum(config.trust_burst * f.max_num_seqs, 1.0)  # before any request met its SLOs there
-        feasible &= level <= np.maximum(proven * (1.0 + config.trust) + 1.0, first)
+    # The application's SLO was measured to hold at this level (a request's own tighter one is left to the forecast).
+    measured = np.zeros(len(level), dtype=bool)
+    if proven is not None and config.admit_proven and not (slo and slo.tpot_ms):
+        measured = level <= proven + 1.0  # (NaN: nothing measured there)
+    live = np.full(len(level), np.nan) if live is None else live
     request_tpot_slo = np.minimum(app_tpot_slo, slo.tpot_ms) if slo and slo.tpot_ms else app_tpot_slo
+    feasible = (ttft <= ttft_slo) & ((tpot <= tpot_slo) | measured) & ~(live > tpot_slo)
+    if config.trust is not None and proven is not None:
+        bound = np.nan_to_num(proven * (1.0 + config.trust) + 1.0, nan=0.0)
+        burst = np.maximum(config.trust_burst * f.max_num_seqs, 1.0)  # where nothing has shown a limit yet
+        bound = np.where(np.zeros(len(level), dtype=bool) if missed is None else missed, bound, np.maximum(bound, burst))
+        feasible &= level <= bound
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0, level=level, tpot_slo_ms=request_tpot_slo)
     # Requests that must leave each replica before it is feasible, and how long that takes.
@@ -233,7 +262,7 @@ def decide(
     excess = np.maximum(fc.queued, np.nan_to_num(tpot_excess, posinf=0.0)) + 1.0
     drain_s = float(np.min(excess / rate))
     retry = int(min(max(math.ceil(drain_s), 1), config.max_retry_after_s))
-    full = not (tpot <= app_limit).any()
+    full = not (((tpot <= app_limit) | measured) & ~(live > app_limit)).any()
     return Decision(False, feasible, ttft, tpot, retry, full, level=level, tpot_slo_ms=request_tpot_slo)
 
 
@@ -407,9 +436,13 @@ class AdmissionLoop:
         self.last_admitted = -math.inf
         # ticket -> (replica, TTFT, when, requests in flight there with it, its TPOT SLO)
         self._routed: OrderedDict[int, tuple[Hashable, float, float, float | None, float | None]] = OrderedDict()
-        self._forecasts: dict[Hashable, deque[tuple[float, float]]] = {}  # replica -> (when, batch TPOT forecast)
+        # replica -> (when, batch TPOT forecast, requests in flight there) at each placement
+        self._forecasts: dict[Hashable, deque[tuple[float, float, float]]] = {}
         self._tickets = itertools.count()
-        self._proven: dict[Hashable, deque[float]] = {}  # replica -> levels (`routed`) of its requests that met their SLOs
+        self._outcomes: dict[Hashable, deque[tuple[float, bool]]] = {}  # replica -> (level, met) of its recent requests
+        self._live: dict[Hashable, deque[tuple[float, float, float]]] = {}  # replica -> (when, ms, tokens) relayed lately
+        self._last_chunk: dict[int, float] = {}  # ticket -> when its stream's last chunk was relayed
+        self._chunking: dict[Hashable, deque[tuple[int, int]]] = {}  # replica -> (tokens, chunks) of its recent streams
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
 
@@ -422,8 +455,11 @@ class AdmissionLoop:
     def ticket(self) -> int:
         return next(self._tickets)
 
-    def decide(self, *args, now: float | None = None, commit: bool = True, **kwargs) -> tuple[Decision, Corrections]:
-        """`decide` with the feedback's corrections, and the corrections it used. When they refuse a request
+    def decide(
+        self, *args, now: float | None = None, commit: bool = True, replicas: list | None = None, **kwargs
+    ) -> tuple[Decision, Corrections]:
+        """`decide` with the feedback's corrections, and the corrections it used, over `replicas` (their keys
+        here, for what was measured of them: `proven_levels`, `missed`, `live_tpot`; None: the model alone). When they refuse a request
         that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
         correction that refuses everything would otherwise be measured again only when its measurements age
         out (`feedback_max_age_s`; one learned from the burst that opens an overload refused everything while
@@ -431,6 +467,8 @@ class AdmissionLoop:
         stays as it was)."""
         now = time.monotonic() if now is None else now
         corrections = self.feedback.corrections(now)
+        if replicas is not None:
+            kwargs.update(proven=self.proven_levels(replicas), missed=self.missed(replicas), live=self.live_tpot(replicas, now))
         decision = decide(*args, corrections=corrections, **kwargs)
         if not decision.admit and corrections != Corrections() and now - self.last_admitted >= self.config.probe_s:
             probe = decide(*args, **kwargs)
@@ -438,10 +476,14 @@ class AdmissionLoop:
                 decision, corrections = probe, Corrections()
         if decision.admit and commit:
             self.last_admitted = now
-        if commit and self._trace is not None:
-            self._log("decide", now, admit=bool(decision.admit), full=bool(decision.full),
+        if self._trace is not None and (commit or not decision.admit):
+            self._log("decide" if commit else "look", now, admit=bool(decision.admit), full=bool(decision.full),
                       ttft=float(np.min(decision.ttft_ms, initial=np.inf)), tpot=float(np.min(decision.tpot_ms, initial=np.inf)),
-                      correction=list(corrections))
+                      correction=list(corrections), **({} if decision.admit else {
+                          "ttfts": decision.ttft_ms.round(1).tolist(), "tpots": decision.tpot_ms.round(2).tolist(),
+                          "levels": None if decision.level is None else decision.level.tolist(),
+                          "proven": None if kwargs.get("proven") is None else kwargs["proven"].tolist(),
+                          "live": None if kwargs.get("live") is None else np.round(kwargs["live"], 2).tolist()}))
         return decision, corrections
 
     def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float, now: float | None = None,
@@ -449,11 +491,11 @@ class AdmissionLoop:
         """The router's prediction for the replica the request went to (before the feedback's correction); `level`:
         the requests in flight there with it, and `tpot_slo_ms` its TPOT SLO (`AdmissionConfig.trust`)."""
         now = time.monotonic() if now is None else now
-        self._forecasts.setdefault(replica, deque(maxlen=MAX_PENDING)).append((now, tpot_ms))
+        self._forecasts.setdefault(replica, deque(maxlen=MAX_PENDING)).append((now, tpot_ms, math.nan if level is None else level))
         self._routed[ticket] = (replica, ttft_ms, now, level, tpot_slo_ms)
         if self._trace is not None:
             self._log("routed", now, ticket=ticket, replica=replica, ttft=ttft_ms, tpot=tpot_ms, level=level,
-                      proven=max(self._proven.get(replica, ()), default=0.0))
+                      proven=float(self.proven_levels([replica])[0]))
         while len(self._routed) > MAX_PENDING:
             self._routed.popitem(last=False)
 
@@ -464,40 +506,102 @@ class AdmissionLoop:
         tpot_ms: float | None = None,
         now: float | None = None,
         tokens: int | None = None,
+        chunks: int | None = None,
     ) -> None:
-        """The ingress's measurement over `tokens` generated tokens (`ttft_ms` None: none to report, the
-        ticket is let go)."""
+        """The ingress's measurement over `tokens` generated tokens, relayed in `chunks` (`ttft_ms` None: none to
+        report, the ticket is let go)."""
         routed = self._routed.pop(ticket, None)
+        self._last_chunk.pop(ticket, None)
         if routed is None or ttft_ms is None:
             return
         now = time.monotonic() if now is None else now
         replica, ttft_predicted, since, level, tpot_slo_ms = routed
-        life = self._life_forecast(replica, since, now)
+        if tokens and chunks:
+            self._chunking.setdefault(replica, deque(maxlen=self.config.feedback_window or 1)).append((tokens, chunks))
+        life, lived = self._life_forecast(replica, since, now)
         self.feedback.observe((ttft_predicted, life), ttft_ms, tpot_ms, now, tokens)
         met = ttft_ms <= self.config.ttft_ms and (tpot_ms is None or tpot_slo_ms is None or tpot_ms <= tpot_slo_ms)
-        if level is not None and met:
-            self._proven.setdefault(replica, deque(maxlen=self.config.feedback_window or 1)).append(level)
-        self._log("finished", now, ticket=ticket, ttft=ttft_ms, tpot=tpot_ms, tokens=tokens, tpot_life=life)
+        if level is not None:
+            level = lived if math.isfinite(lived) else level  # what it lived through, not only what it joined
+            window = self.config.feedback_window or 1
+            outcomes = self._outcomes.setdefault(replica, deque(maxlen=window))
+            if not met:  # what met its SLOs at this level or above proves nothing now (the host, or the traffic, changed)
+                kept = [o for o in outcomes if not o[1] or o[0] < level]
+                outcomes.clear()
+                outcomes.extend(kept)
+            outcomes.append((level, met))
+        self._log("finished", now, ticket=ticket, ttft=ttft_ms, tpot=tpot_ms, tokens=tokens, tpot_life=life, level_life=lived)
+
+    def streamed(self, ticket: int, chunks: int = 1, now: float | None = None) -> None:
+        """The ingress relayed `chunks` more of the request's stream (SSE events: one per engine step that
+        produced tokens for it, whatever their number): the time since its previous ones is what its replica took
+        to decode them, in tokens as many as its recent streams had per chunk (none before one was measured)."""
+        routed = self._routed.get(ticket)
+        if routed is None or chunks <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        last = self._last_chunk.get(ticket)
+        self._last_chunk[ticket] = now
+        counted = self._chunking.get(routed[0])
+        if last is not None and counted:
+            per_chunk = sum(t for t, _ in counted) / sum(c for _, c in counted)
+            self.decoded(routed[0], (now - last) * 1000.0, chunks * per_chunk, now)
+
+    def decoded(self, replica: Hashable, ms: float, tokens: float, now: float) -> None:
+        """`tokens` of one or more of the replica's streams took `ms` (per stream) up to `now`."""
+        if not self.config.live_window_s:
+            return
+        q = self._live.setdefault(replica, deque())
+        q.append((now, ms, tokens))
+        while q and q[0][0] < now - self.config.live_window_s:
+            q.popleft()
+
+    def live_tpot(self, replicas: list, now: float | None = None) -> np.ndarray:
+        """Per replica, its streams' time per token over the last `live_window_s` (NaN: none relayed)."""
+        now = time.monotonic() if now is None else now
+        out = np.full(len(replicas), np.nan)
+        for i, r in enumerate(replicas):
+            recent = [(ms, n) for t, ms, n in self._live.get(r, ()) if t >= now - self.config.live_window_s]
+            if recent:
+                out[i] = sum(ms for ms, _ in recent) / sum(n for _, n in recent)
+        return out
 
     def proven_levels(self, replicas: list) -> np.ndarray:
-        """Per replica, the most requests in flight at which one of the last `feedback_window` requests there that met
-        their SLOs was admitted (0: none yet). Not aged as the feedback is: a level proven before a quiet spell
-        still was (the corrected predictions see what changed since)."""
-        return np.array([max(self._proven.get(r, ()), default=0.0) for r in replicas], dtype=np.float64)
+        """Per replica, the most requests in flight (over a request's life) at which one of its last `feedback_window`
+        requests met its SLOs, with at most `proven_miss_share` of those at that level or fewer missing theirs (0: none
+        met; NaN: none measured). Not aged as the feedback is: a level proven before a quiet spell still was."""
+        out = np.full(len(replicas), np.nan)
+        for i, r in enumerate(replicas):
+            outcomes = sorted(self._outcomes.get(r, ()))
+            missed = 0
+            out[i] = 0.0 if outcomes else np.nan
+            for n, (level, met) in enumerate(outcomes, 1):
+                missed += not met
+                if met and missed <= self.config.proven_miss_share * n:
+                    out[i] = level
+        return out
 
-    def _life_forecast(self, replica: Hashable, since: float, until: float) -> float:
-        """The replica's batch TPOT forecast averaged over [since, until], each forecast holding until the next."""
-        marks = [(t, f) for t, f in self._forecasts.get(replica, ()) if t >= since]
+    def missed(self, replicas: list) -> np.ndarray:
+        """Per replica, whether one of its last `feedback_window` requests missed its SLOs."""
+        return np.array([any(not met for _, met in self._outcomes.get(r, ())) for r in replicas], dtype=bool)
+
+    def _life_forecast(self, replica: Hashable, since: float, until: float) -> tuple[float, float]:
+        """The replica's batch TPOT forecast and its requests in flight at placements, averaged over [since, until],
+        each holding until the next placement (a request admitted first in a burst lives through the whole of it)."""
+        marks = [m for m in self._forecasts.get(replica, ()) if m[0] >= since]
         if not marks:
-            return 0.0
-        ends = [t for t, _ in marks[1:]] + [max(until, marks[-1][0])]
-        spans = np.array([e - t for (t, _), e in zip(marks, ends)])
-        values = np.array([f for _, f in marks])
-        return float(values @ spans / spans.sum()) if spans.sum() > 0 else float(values.mean())
+            return 0.0, math.nan
+        ends = [m[0] for m in marks[1:]] + [max(until, marks[-1][0])]
+        spans = np.array([e - m[0] for m, e in zip(marks, ends)])
+        values = np.array([m[1:] for m in marks])
+        averaged = values.T @ spans / spans.sum() if spans.sum() > 0 else values.mean(axis=0)
+        return float(averaged[0]), float(averaged[1])
 
     def forget(self, replica: Hashable) -> None:
         self._forecasts.pop(replica, None)
-        self._proven.pop(replica, None)
+        self._outcomes.pop(replica, None)
+        self._live.pop(replica, None)
+        self._chunking.pop(replica, None)
 
 
 _LOOPS: dict[str, AdmissionLoop] = {}

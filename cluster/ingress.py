@@ -226,6 +226,7 @@ class HandleBackend:
                 if measure:
                     first = first or time.perf_counter()
                     chunks += len(lines)
+                    loop.streamed(ticket, len(lines))
                     if "completion_tokens" in text:
                         found = _COMPLETION_TOKENS.findall(text)
                         tokens = int(found[-1]) if found else tokens
@@ -234,7 +235,7 @@ class HandleBackend:
                 # Without usage in the stream, its data events (at least one per token batch) stand in for tokens.
                 n, end = tokens or chunks, time.perf_counter()
                 tpot = (end - first) * 1000.0 / (n - 1) if n > 1 else None
-                loop.finished(ticket, (first - start) * 1000.0, tpot, tokens=n)
+                loop.finished(ticket, (first - start) * 1000.0, tpot, tokens=n, chunks=chunks)
         except Exception as e:  # the replica failed, or its code raised, mid-stream: end the stream properly
             logger.warning("engine stream failed: %s", e)
             raised = raised_by_replica(e)

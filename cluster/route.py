@@ -35,7 +35,7 @@ def route(
     prompt_tokens: float = 0.0,
     pending_prompt_tokens: np.ndarray | float = 0.0,
     drain_rates: np.ndarray | None = None,
-    proven_levels: np.ndarray | None = None,
+    replicas: list | None = None,
     waited_ms: float = 0.0,
     slo: RequestSLO | None = None,
     tie_ms: float = 1.0,
@@ -45,7 +45,8 @@ def route(
     """`added`: requests routed to each replica since its stats were taken, net of those finished since;
     `prompt_tokens`: the request's (estimated from its text); `pending_prompt_tokens`: those routed to each replica
     since its stats (as `added`);
-    `drain_rates`: each replica's measured completions per second (admission only); `now`: the admission
+    `drain_rates`: each replica's measured completions per second and `replicas` their keys in the admission loop
+    (admission only); `now`: the admission
     loop's clock (None: the monotonic clock; a simulator passes its own); `commit` False: admission only looks
     (`AdmissionLoop.decide`)."""
     tokens = expected_tokens_per_step(fleet, relative_acceptance)
@@ -55,7 +56,7 @@ def route(
         rates = np.zeros(len(slack)) if drain_rates is None else drain_rates
         decision, correction = loop.decide(
             fleet, added, tokens, prompt_tokens, rates, config, waited_ms=waited_ms, slo=slo, now=now, commit=commit,
-            proven=proven_levels,
+            replicas=replicas,
         )
         if not decision.admit:
             return Route(np.zeros(0, dtype=np.int64), 0, decision, correction, -np.inf)

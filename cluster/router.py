@@ -149,7 +149,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             loop=loop,
             config=config,
             drain_rates=self.drain.rates(view.ids) if config else None,
-            proven_levels=loop.proven_levels(view.ids) if config else None,
+            replicas=view.ids,
             waited_ms=waited_ms,
             slo=admission_module.RequestSLO.model_validate(slo) if slo and config else None,
         )
@@ -200,7 +200,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             loop=self.loop,
             config=self.admission,
             drain_rates=self.drain.rates(view.ids),
-            proven_levels=self.loop.proven_levels(view.ids),
+            replicas=view.ids,
             slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
             commit=False,
         )

@@ -281,27 +281,80 @@ def test_a_correction_that_refuses_everything_still_admits_a_probe_now_and_then(
     assert not loop.decide(FleetArrays([stats(40)]), *args[1:], now=10.0)[0].admit
 
 
-def test_a_replica_takes_at_most_a_share_more_requests_in_flight_than_it_was_measured_to_serve_within_the_slos():
-    from cluster.admission import AdmissionLoop
-
+def test_past_its_proven_level_a_replica_takes_what_the_forecast_admits_up_to_a_share_more():
     trusting = CONFIG.model_copy(update={"trust": 0.25, "trust_burst": 0.125})  # 8 requests of a batch of 64
-    roomy = stats(20, cap_ms=200.0)  # the model admits up to far more than 20 in flight here
-    assert one(roomy, config=trusting).admit  # no bound without the proven levels (control for the plumbing)
+    roomy = stats(20, cap_ms=200.0)  # the forecast admits far more than 21 in flight here
+    assert one(roomy, config=trusting).admit  # no bound without measurements (control for the plumbing)
     assert one(roomy, config=trusting, proven=np.array([16.0])).admit  # 21 in flight <= 16 * 1.25 + 1
-    assert not one(roomy, config=trusting, proven=np.array([15.0])).admit  # 21 > 19.75
-    assert not one(roomy, config=trusting, proven=np.array([0.0])).admit  # nothing measured: the burst only
-    assert one(stats(7, cap_ms=200.0), config=trusting, proven=np.array([1.0])).admit  # 8: never less than the burst
-    assert one(roomy, config=CONFIG.model_copy(update={"trust": None}), proven=np.array([0.0])).admit  # off: the model alone
-    # The loop proves a level when a request admitted at it meets its SLOs; a replica gone is forgotten.
-    loop = AdmissionLoop(trusting)
-    for ticket, (level, tpot) in enumerate([(10.0, 12.0), (18.0, 25.0), (14.0, 19.0)]):
-        loop.routed(ticket, "r", 100.0, 10.0, now=0.0, level=level, tpot_slo_ms=20.0)
-        loop.finished(ticket, 100.0, tpot, now=1.0, tokens=32)
-    assert list(loop.proven_levels(["r", "other"])) == [14.0, 0.0]  # 18 missed its TPOT SLO
-    loop.forget("r")
-    assert list(loop.proven_levels(["r"])) == [0.0]
-    decision = one(roomy, config=trusting, proven=np.array([14.0]))
+    missed = np.array([True])  # a recent request there missed its SLOs: the proven level bounds it
+    assert not one(roomy, config=trusting, proven=np.array([15.0]), missed=missed).admit  # 21 > 19.75
+    assert not one(roomy, config=trusting, proven=np.array([np.nan])).admit  # nothing measured: the burst only
+    assert one(stats(7, cap_ms=200.0), config=trusting, proven=np.array([np.nan])).admit  # 8: the burst
+    assert not one(stats(7, cap_ms=200.0), config=trusting, proven=np.array([1.0]), missed=missed).admit  # 8 > 2.25
+    assert one(stats(7, cap_ms=200.0), config=trusting, proven=np.array([1.0]), missed=np.array([False])).admit  # no miss yet
+    assert one(roomy, config=CONFIG.model_copy(update={"trust": None}), proven=np.array([0.0])).admit  # off: the forecast alone
+    decision = one(roomy, config=trusting, proven=np.array([16.0]))
     assert decision.level[0] == 21.0 and decision.tpot_slo_ms[0] == 200.0
+
+
+def test_up_to_one_past_its_proven_level_a_replica_is_admitted_to_whatever_the_forecast_says():
+    # The forecast refuses a 31st request in flight (23.5 ms of TPOT against 20); at 30 recent ones met their SLOs.
+    assert not one(stats(30)).admit
+    assert one(stats(30), proven=np.array([30.0])).admit
+    assert not one(stats(30), proven=np.array([30.0]), config=CONFIG.model_copy(update={"admit_proven": False})).admit
+    assert not one(stats(30), proven=np.array([29.0])).admit  # two past it: the forecast decides
+    assert not one(stats(30), proven=np.array([np.nan])).admit  # nothing measured
+    assert not one(stats(30), proven=np.array([30.0]), slo=RequestSLO(tpot_ms=18.0)).admit  # a tighter SLO of its own
+    # The TTFT forecast still holds.
+    assert not one(stats(30), proven=np.array([30.0]), waited_ms=600.0).admit
+
+
+def test_a_replica_proves_the_levels_its_requests_lived_through_and_a_miss_takes_back_those_at_or_above_it():
+    loop = AdmissionLoop(CONFIG)
+    assert np.isnan(loop.proven_levels(["r"])[0])  # nothing measured
+
+    def request(ticket, joined, lived_through, tpot, at):
+        """Admitted at `joined` in flight; another placement `lived_through` half its life later."""
+        loop.routed(ticket, "r", 100.0, 10.0, now=at, level=joined, tpot_slo_ms=20.0)
+        loop.routed(1000 + ticket, "r", 100.0, 10.0, now=at + 1.0, level=lived_through, tpot_slo_ms=20.0)
+        loop.finished(ticket, 100.0, tpot, now=at + 2.0, tokens=32)
+
+    request(0, 4.0, 12.0, 15.0, at=0.0)
+    assert loop.proven_levels(["r", "other"])[0] == pytest.approx(8.0)  # its life: 4 for a second, 12 for one
+    assert np.isnan(loop.proven_levels(["r", "other"])[1])
+    for t in range(1, 10):
+        request(t, 10.0, 10.0, 15.0, at=10.0 * t)
+    assert loop.proven_levels(["r"])[0] == 10.0
+    request(10, 9.0, 9.0, 25.0, at=200.0)  # a miss at 9: what met at 9 or above proves nothing now
+    assert loop.proven_levels(["r"])[0] == pytest.approx(8.0)
+    request(11, 3.0, 3.0, 25.0, at=210.0)  # and one at 3 takes back the rest: none met now
+    assert loop.proven_levels(["r"])[0] == 0.0
+    for t in range(12, 30):  # met again, higher and higher: proven again, 2 misses among 20 allowed
+        request(t, float(t - 8), float(t - 8), 15.0, at=300.0 + 10.0 * t)
+    assert loop.proven_levels(["r"])[0] == 21.0
+    loop.forget("r")
+    assert np.isnan(loop.proven_levels(["r"])[0])
+
+
+def test_a_replica_whose_streams_run_over_the_tpot_slo_now_takes_no_request():
+    loop = AdmissionLoop(CONFIG)
+    loop.routed(0, "r", 100.0, 10.0, now=0.0, level=1.0)
+    loop.finished(0, 100.0, 10.0, now=1.0, tokens=40, chunks=20)  # 2 tokens per relayed chunk on this replica
+    loop.routed(1, "r", 100.0, 10.0, now=2.0, level=1.0)
+    for k in range(6):  # chunks every 50 ms: 25 ms per token
+        loop.streamed(1, 1, now=2.0 + 0.05 * k)
+    assert loop.live_tpot(["r", "other"], now=2.3)[0] == pytest.approx(25.0)
+    assert np.isnan(loop.live_tpot(["r", "other"], now=2.3)[1])
+    assert np.isnan(loop.live_tpot(["r"], now=3.0)[0])  # past the window: nothing measured
+    assert one(stats(4)).admit and not one(stats(4), live=np.array([25.0])).admit
+    assert one(stats(4), live=np.array([19.0])).admit and one(stats(4), live=np.array([np.nan])).admit
+    assert not one(stats(4), live=np.array([25.0]), proven=np.array([10.0])).admit  # measured levels or not
+    # Without a measured tokens-per-chunk, chunks say nothing of tokens: nothing is measured.
+    fresh = AdmissionLoop(CONFIG)
+    fresh.routed(0, "r", 100.0, 10.0, now=0.0, level=1.0)
+    for k in range(6):
+        fresh.streamed(0, 1, now=0.05 * k)
+    assert np.isnan(fresh.live_tpot(["r"], now=0.3)[0])
 
 
 def test_the_admission_trace_joins_each_requests_prediction_to_its_measurement(tmp_path, monkeypatch):

@@ -80,6 +80,8 @@ class SimRequest:
 class StepResult:
     duration_s: float
     finished: list[SimRequest] = field(default_factory=list)
+    decode_ms: float = 0.0  # the step's time summed over the requests that decoded tokens in it
+    decode_tokens: int = 0  # what they decoded (as the ingress measures streams: `AdmissionLoop.decoded`)
 
 
 class SimEngine:
@@ -231,6 +233,8 @@ class SimEngine:
                 elif not prefilling[i]:
                     self.decode_s += period_ms / 1e3
                     self.decode_tokens += int(emitted[i])
+                    result.decode_ms += period_ms
+                    result.decode_tokens += int(emitted[i])
                 r.generated += int(emitted[i])
                 self.emitted += int(emitted[i])
                 self.outputs += 1

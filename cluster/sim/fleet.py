@@ -286,6 +286,7 @@ class Fleet:
             pick = min(pair, key=lambda i: self.in_flight[i])
             return pick if free[pick] else least
         admission = self.config.admission if self.loop is not None else None
+        ids = [int(i) for i in serving]
         waited_ms = (now - r.arrival_s) * 1000.0
         scale = self.config.ingresses if self.config.extrapolate_in_flight else 1
         decided = route(
@@ -296,8 +297,8 @@ class Fleet:
             config=admission,
             prompt_tokens=estimated_prompt_tokens(len(r.prompt), self._prompts),
             pending_prompt_tokens=self.prompts_routed[r.ingress, serving] * scale,
-            drain_rates=self.drain.rates([int(i) for i in serving], now) if admission else None,
-            proven_levels=self.loop.proven_levels([int(i) for i in serving]) if admission else None,
+            drain_rates=self.drain.rates(ids, now) if admission else None,
+            replicas=ids,
             waited_ms=waited_ms,
             now=now,
         )
@@ -444,13 +445,16 @@ class Fleet:
                     if result.duration_s <= 0:
                         stepping[i] = False
                         continue
-                    heapq.heappush(events, (now + result.duration_s, token, "stepped", (i, result.finished)))
+                    heapq.heappush(events, (now + result.duration_s, token, "stepped", (i, result)))
                 elif kind == "collect":
                     i, started, token = payload
                     result = shards.result(token)
-                    heapq.heappush(events, (started + result.duration_s, token, "stepped", (i, result.finished)))
+                    heapq.heappush(events, (started + result.duration_s, token, "stepped", (i, result)))
                 elif kind == "stepped":
-                    i, finished = payload
+                    i, result = payload
+                    finished = result.finished
+                    if self.loop is not None and result.decode_tokens:
+                        self.loop.decoded(i, result.decode_ms, result.decode_tokens, now)
                     self._count_outputs(now)
                     stepping[i] = False
                     for r in finished:
@@ -477,7 +481,7 @@ class Fleet:
                         placed += 1
                     del waiting[:placed]
             # Steps that end after the run's end: what they finished did not finish within it (504, as unfinished).
-            late = [r for _, _, kind, payload in events if kind == "stepped" for r in payload[1]]
+            late = [r for _, _, kind, payload in events if kind == "stepped" for r in payload[1].finished]
             if shards is not None:
                 late += [r for _, _, kind, payload in events if kind == "collect" for r in shards.result(payload[2]).finished]
                 self.engines = shards.close()

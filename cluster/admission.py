@@ -72,7 +72,7 @@ only where the forecast admits, up to (1 + `trust`) times its proven level (or
 deployment's simulated twin at 4x its capacity, admission on the forecast alone
 alternated between bursts that missed together and spells that refused nearly
 everything. And a replica whose streams, as the ingress relays them, ran over
-the TPOT SLO in the last `live_window_s` takes no request: one more only slows
+the TPOT limit in the last `live_window_s` takes no request: one more only slows
 them further, and the live measurement sees a host that slowed down a request's
 life before the outcomes do.
 
@@ -137,8 +137,8 @@ class AdmissionConfig(BaseModel):
                                 "the proven level plus one (None: no bound)")
     trust_burst: float = Field(default=0.25, gt=0, le=1, description="the share of a replica's batch (max_num_seqs) the "
                                "forecast admits to while none of its recent requests missed their SLOs")
-    live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than the TPOT SLO per "
-                                 "token over this last window, as the ingress relayed them, takes no new request (0: not "
+    live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than the TPOT limit "
+                                 "(tpot_share of the SLO) per token over this last window, as the ingress relayed them, takes no new request (0: not "
                                  "measured)")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")

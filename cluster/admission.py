@@ -440,7 +440,8 @@ class AdmissionLoop:
         self._forecasts: dict[Hashable, deque[tuple[float, float, float]]] = {}
         self._tickets = itertools.count()
         self._outcomes: dict[Hashable, deque[tuple[float, bool]]] = {}  # replica -> (level, met) of its recent requests
-        self._live: dict[Hashable, deque[tuple[float, float, float]]] = {}  # replica -> (when, ms, tokens) relayed lately
+        self._levels: dict[Hashable, tuple[float, bool]] = {}  # replica -> (proven level, a recent request missed)
+        self._live: dict[Hashable, _Window] = {}  # replica -> ms and tokens of its streams relayed lately
         self._last_chunk: dict[int, float] = {}  # ticket -> when its stream's last chunk was relayed
         self._chunking: dict[Hashable, deque[tuple[int, int]]] = {}  # replica -> (tokens, chunks) of its recent streams
         trace = os.environ.get(TRACE_ENV)
@@ -468,7 +469,7 @@ class AdmissionLoop:
         now = time.monotonic() if now is None else now
         corrections = self.feedback.corrections(now)
         if replicas is not None:
-            kwargs.update(proven=self.proven_levels(replicas), missed=self.missed(replicas), live=self.live_tpot(replicas, now))
+            kwargs.update(zip(("proven", "missed", "live"), self._measured(replicas, now)))
         decision = decide(*args, corrections=corrections, **kwargs)
         if not decision.admit and corrections != Corrections() and now - self.last_admitted >= self.config.probe_s:
             probe = decide(*args, **kwargs)
@@ -530,6 +531,7 @@ class AdmissionLoop:
                 outcomes.clear()
                 outcomes.extend(kept)
             outcomes.append((level, met))
+            self._levels[replica] = self._prove(outcomes)
         self._log("finished", now, ticket=ticket, ttft=ttft_ms, tpot=tpot_ms, tokens=tokens, tpot_life=life, level_life=lived)
 
     def streamed(self, ticket: int, chunks: int = 1, now: float | None = None) -> None:
@@ -549,41 +551,41 @@ class AdmissionLoop:
 
     def decoded(self, replica: Hashable, ms: float, tokens: float, now: float) -> None:
         """`tokens` of one or more of the replica's streams took `ms` (per stream) up to `now`."""
-        if not self.config.live_window_s:
-            return
-        q = self._live.setdefault(replica, deque())
-        q.append((now, ms, tokens))
-        while q and q[0][0] < now - self.config.live_window_s:
-            q.popleft()
+        if self.config.live_window_s:
+            self._live.setdefault(replica, _Window(self.config.live_window_s)).add(now, ms, tokens)
+
+    def _measured(self, replicas: list, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per replica: `proven_levels`, `missed`, `live_tpot` (one pass: the router asks for every decision)."""
+        out = np.full((3, len(replicas)), np.nan)
+        for i, r in enumerate(replicas):
+            out[0, i], out[1, i] = self._levels.get(r, (np.nan, False))
+            window = self._live.get(r)
+            if window is not None:
+                out[2, i] = window.per_token(now)
+        return out[0], out[1].astype(bool), out[2]
 
     def live_tpot(self, replicas: list, now: float | None = None) -> np.ndarray:
         """Per replica, its streams' time per token over the last `live_window_s` (NaN: none relayed)."""
-        now = time.monotonic() if now is None else now
-        out = np.full(len(replicas), np.nan)
-        for i, r in enumerate(replicas):
-            recent = [(ms, n) for t, ms, n in self._live.get(r, ()) if t >= now - self.config.live_window_s]
-            if recent:
-                out[i] = sum(ms for ms, _ in recent) / sum(n for _, n in recent)
-        return out
+        return self._measured(replicas, time.monotonic() if now is None else now)[2]
 
     def proven_levels(self, replicas: list) -> np.ndarray:
         """Per replica, the most requests in flight (over a request's life) at which one of its last `feedback_window`
         requests met its SLOs, with at most `proven_miss_share` of those at that level or fewer missing theirs (0: none
         met; NaN: none measured). Not aged as the feedback is: a level proven before a quiet spell still was."""
-        out = np.full(len(replicas), np.nan)
-        for i, r in enumerate(replicas):
-            outcomes = sorted(self._outcomes.get(r, ()))
-            missed = 0
-            out[i] = 0.0 if outcomes else np.nan
-            for n, (level, met) in enumerate(outcomes, 1):
-                missed += not met
-                if met and missed <= self.config.proven_miss_share * n:
-                    out[i] = level
-        return out
+        return np.array([self._levels.get(r, (np.nan, False))[0] for r in replicas], dtype=np.float64)
 
     def missed(self, replicas: list) -> np.ndarray:
         """Per replica, whether one of its last `feedback_window` requests missed its SLOs."""
-        return np.array([any(not met for _, met in self._outcomes.get(r, ())) for r in replicas], dtype=bool)
+        return np.array([self._levels.get(r, (np.nan, False))[1] for r in replicas], dtype=bool)
+
+    def _prove(self, outcomes) -> tuple[float, bool]:
+        """(proven level, whether any missed) of a replica's recent (level, met) outcomes."""
+        proven, missed = 0.0, 0
+        for n, (level, met) in enumerate(sorted(outcomes), 1):
+            missed += not met
+            if met and missed <= self.config.proven_miss_share * n:
+                proven = level
+        return proven, missed > 0
 
     def _life_forecast(self, replica: Hashable, since: float, until: float) -> tuple[float, float]:
         """The replica's batch TPOT forecast and its requests in flight at placements, averaged over [since, until],
@@ -600,8 +602,37 @@ class AdmissionLoop:
     def forget(self, replica: Hashable) -> None:
         self._forecasts.pop(replica, None)
         self._outcomes.pop(replica, None)
+        self._levels.pop(replica, None)
         self._live.pop(replica, None)
         self._chunking.pop(replica, None)
+
+
+class _Window:
+    """Milliseconds and tokens of a replica's streams over the last `span_s`, with their running sums."""
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self._marks: deque[tuple[float, float, float]] = deque()  # (when, ms, tokens)
+        self._ms = self._tokens = 0.0
+
+    def add(self, now: float, ms: float, tokens: float) -> None:
+        self._marks.append((now, ms, tokens))
+        self._ms += ms
+        self._tokens += tokens
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._marks and self._marks[0][0] < now - self.span_s:
+            _, ms, tokens = self._marks.popleft()
+            self._ms -= ms
+            self._tokens -= tokens
+        if not self._marks:  # (no drift left behind by the running sums)
+            self._ms = self._tokens = 0.0
+
+    def per_token(self, now: float) -> float:
+        """ms per token over the window (NaN: nothing in it)."""
+        self._trim(now)
+        return self._ms / self._tokens if self._marks and self._tokens > 0 else math.nan
 
 
 _LOOPS: dict[str, AdmissionLoop] = {}

@@ -138,8 +138,8 @@ class AdmissionConfig(BaseModel):
     trust_burst: float = Field(default=0.25, gt=0, le=1, description="the share of a replica's batch (max_num_seqs) the "
                                "forecast admits to while none of its recent requests missed their SLOs")
     live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than the TPOT limit "
-                                 "(tpot_share of the SLO) per token over this last window, as the ingress relayed them, takes no new request (0: not "
-                                 "measured)")
+                                 "(tpot_share of the SLO) per token over this last window, as the ingress relayed them, "
+                                 "takes no new request (0: not measured)")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")
 
@@ -252,7 +252,8 @@ def decide(
     if config.trust is not None and proven is not None:
         bound = np.nan_to_num(proven * (1.0 + config.trust) + 1.0, nan=0.0)
         burst = np.maximum(config.trust_burst * f.max_num_seqs, 1.0)  # where nothing has shown a limit yet
-        bound = np.where(np.zeros(len(level), dtype=bool) if missed is None else missed, bound, np.maximum(bound, burst))
+        limited = np.zeros(len(level), dtype=bool) if missed is None else missed
+        bound = np.where(limited, bound, np.maximum(bound, burst))
         feasible &= level <= bound
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0, level=level, tpot_slo_ms=request_tpot_slo)
@@ -444,6 +445,7 @@ class AdmissionLoop:
         self._live: dict[Hashable, _Window] = {}  # replica -> ms and tokens of its streams relayed lately
         self._last_chunk: dict[int, float] = {}  # ticket -> when its stream's last chunk was relayed
         self._chunking: dict[Hashable, deque[tuple[int, int]]] = {}  # replica -> (tokens, chunks) of its recent streams
+        self._per_chunk: dict[Hashable, float] = {}  # replica -> tokens per relayed chunk over those
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
 
@@ -459,9 +461,9 @@ class AdmissionLoop:
     def decide(
         self, *args, now: float | None = None, commit: bool = True, replicas: list | None = None, **kwargs
     ) -> tuple[Decision, Corrections]:
-        """`decide` with the feedback's corrections, and the corrections it used, over `replicas` (their keys
-        here, for what was measured of them: `proven_levels`, `missed`, `live_tpot`; None: the model alone). When they refuse a request
-        that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
+        """`decide` with the feedback's corrections, and the corrections it used, over `replicas` (their keys here,
+        for what was measured of them: `proven_levels`, `missed`, `live_tpot`; None: the model alone). When the
+        corrections refuse a request that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
         correction that refuses everything would otherwise be measured again only when its measurements age
         out (`feedback_max_age_s`; one learned from the burst that opens an overload refused everything while
         they lived, the load gone or not). `commit` False: a look ahead that admits nothing (the probe's clock
@@ -518,7 +520,9 @@ class AdmissionLoop:
         now = time.monotonic() if now is None else now
         replica, ttft_predicted, since, level, tpot_slo_ms = routed
         if tokens and chunks:
-            self._chunking.setdefault(replica, deque(maxlen=self.config.feedback_window or 1)).append((tokens, chunks))
+            counted = self._chunking.setdefault(replica, deque(maxlen=self.config.feedback_window or 1))
+            counted.append((tokens, chunks))
+            self._per_chunk[replica] = sum(t for t, _ in counted) / sum(c for _, c in counted)
         life, lived = self._life_forecast(replica, since, now)
         self.feedback.observe((ttft_predicted, life), ttft_ms, tpot_ms, now, tokens)
         met = ttft_ms <= self.config.ttft_ms and (tpot_ms is None or tpot_slo_ms is None or tpot_ms <= tpot_slo_ms)
@@ -544,9 +548,8 @@ class AdmissionLoop:
         now = time.monotonic() if now is None else now
         last = self._last_chunk.get(ticket)
         self._last_chunk[ticket] = now
-        counted = self._chunking.get(routed[0])
-        if last is not None and counted:
-            per_chunk = sum(t for t, _ in counted) / sum(c for _, c in counted)
+        per_chunk = self._per_chunk.get(routed[0])
+        if last is not None and per_chunk is not None:
             self.decoded(routed[0], (now - last) * 1000.0, chunks * per_chunk, now)
 
     def decoded(self, replica: Hashable, ms: float, tokens: float, now: float) -> None:
@@ -605,6 +608,7 @@ class AdmissionLoop:
         self._levels.pop(replica, None)
         self._live.pop(replica, None)
         self._chunking.pop(replica, None)
+        self._per_chunk.pop(replica, None)
 
 
 class _Window:

@@ -213,7 +213,7 @@ def decide(
 ) -> Decision:
     """Admission over one fleet view: `drain_rate` is each replica's measured completions per second;
     `corrections` (`SLOFeedback.corrections`) are applied to the predictions (None: the model alone);
-    `proven`, `missed` and `live`: `AdmissionLoop.proven_levels`, `missed` and `live_tpot` (None: the model alone)."""
+    `proven`, `missed` and `live`: what `AdmissionLoop._measured` finds of each replica (None: the model alone)."""
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room)
     ttft_slo = min(config.ttft_ms, slo.ttft_ms) if slo and slo.ttft_ms else config.ttft_ms
@@ -462,7 +462,7 @@ class AdmissionLoop:
         self, *args, now: float | None = None, commit: bool = True, replicas: list | None = None, **kwargs
     ) -> tuple[Decision, Corrections]:
         """`decide` with the feedback's corrections, and the corrections it used, over `replicas` (their keys here,
-        for what was measured of them: `proven_levels`, `missed`, `live_tpot`; None: the model alone). When the
+        for what was measured of them, `_measured`; None: the model alone). When the
         corrections refuse a request that the model alone admits and nothing was admitted for `probe_s`, it is admitted uncorrected: a
         correction that refuses everything would otherwise be measured again only when its measurements age
         out (`feedback_max_age_s`; one learned from the burst that opens an overload refused everything while
@@ -558,7 +558,8 @@ class AdmissionLoop:
             self._live.setdefault(replica, _Window(self.config.live_window_s)).add(now, ms, tokens)
 
     def _measured(self, replicas: list, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per replica: `proven_levels`, `missed`, `live_tpot` (one pass: the router asks for every decision)."""
+        """Per replica: `proven_levels`, whether one of its recent requests missed its SLOs, `live_tpot` (one pass:
+        the router asks for every decision)."""
         out = np.full((3, len(replicas)), np.nan)
         for i, r in enumerate(replicas):
             out[0, i], out[1, i] = self._levels.get(r, (np.nan, False))
@@ -575,11 +576,7 @@ class AdmissionLoop:
         """Per replica, the most requests in flight (over a request's life) at which one of its last `feedback_window`
         requests met its SLOs, with at most `proven_miss_share` of those at that level or fewer missing theirs (0: none
         met; NaN: none measured). Not aged as the feedback is: a level proven before a quiet spell still was."""
-        return np.array([self._levels.get(r, (np.nan, False))[0] for r in replicas], dtype=np.float64)
-
-    def missed(self, replicas: list) -> np.ndarray:
-        """Per replica, whether one of its last `feedback_window` requests missed its SLOs."""
-        return np.array([self._levels.get(r, (np.nan, False))[1] for r in replicas], dtype=bool)
+        return self._measured(replicas, time.monotonic())[0]
 
     def _prove(self, outcomes) -> tuple[float, bool]:
         """(proven level, whether any missed) of a replica's recent (level, met) outcomes."""

@@ -96,7 +96,9 @@ class ReplicaConfig(BaseModel):
     max_queued_requests: int = Field(default=256, ge=1, description="requests waiting at each caller beyond those")
     tpot_slo_ms: float = Field(default=20.0, gt=0, description="TPOT SLO: defines the router's headroom")
     stats_period_s: float = Field(default=1.0, gt=0, description="routing stats and metrics refresh period")
-    stream_batch_ms: float = Field(default=10.0, ge=0, description="SSE lines are sent to the ingress in batches this old")
+    stream_batch_ms: float = Field(default=50.0, ge=0, description="SSE lines after a stream's first are sent to the ingress "
+                                   "in batches this old (as Ray Serve LLM's stream batching, 50 ms by default): each batch is "
+                                   "one Ray message through the ingress and the proxy")
     groups: list[EngineGroup] = Field(default_factory=list, description="replicas with other engine settings, by rank "
                                       "(EngineGroup); num_replicas becomes their total")
 
@@ -164,12 +166,15 @@ def replica_rank() -> int:
 
 
 async def batched(lines: AsyncIterator[str], window_s: float) -> AsyncIterator[list[str]]:
-    """Lines from `lines` in lists: each list holds what arrived within `window_s` of its first line.
+    """Lines from `lines` in lists: the first line alone, at once (the client's time to first token), then each
+    list holds what arrived within `window_s` of its first line, and the stream's end goes at once, not at the
+    window's (a request's last tokens are its end-to-end latency).
 
     The source is drained by its own task; closing this generator cancels that task (and so the request).
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    ended = asyncio.Event()
 
     async def pump() -> None:
         try:
@@ -179,15 +184,20 @@ async def batched(lines: AsyncIterator[str], window_s: float) -> AsyncIterator[l
             queue.put_nowait(e)
         finally:
             queue.put_nowait(done)
+            ended.set()
 
     task = asyncio.create_task(pump())
+    started = False
     try:
         while True:
-            first = await queue.get()
-            if window_s > 0 and first is not done and not isinstance(first, Exception):
-                await asyncio.sleep(window_s)
-            batch = [first]
-            while not queue.empty():
+            batch = [await queue.get()]
+            if started and window_s > 0 and isinstance(batch[0], str):
+                try:
+                    await asyncio.wait_for(ended.wait(), window_s)
+                except asyncio.TimeoutError:
+                    pass
+            started = True
+            while not queue.empty() and isinstance(batch[-1], str):
                 batch.append(queue.get_nowait())
             out = [x for x in batch if isinstance(x, str)]
             if out:

@@ -140,6 +140,14 @@ class AdmissionConfig(BaseModel):
     live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than the TPOT limit "
                                  "(tpot_share of the SLO) per token over this last window, as the ingress relayed them, "
                                  "takes no new request (0: not measured)")
+    hold_ms: float = Field(default=300.0, ge=0, description="a request refused only for its TPOT (its TTFT fits a "
+                           "replica) waits in the router's queue up to this long, decided again at each routing attempt, "
+                           "before it is refused (0: refused at once)")
+    hold_per_replica: float = Field(default=1.0, ge=0, description="requests waiting so at once, per replica; "
+                                    "the rest are refused at once")
+    hold_refused_share: float = Field(default=0.1, ge=0, le=1, description="requests wait so only while at most this "
+                                      "share of the last `feedback_window` decided were refused: under overload a request "
+                                      "held would mostly wait to be refused")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")
 
@@ -184,6 +192,7 @@ class Decision(NamedTuple):
     full: bool = False  # refused, and no replica's TPOT fits the application's SLO: nor would another request's
     level: np.ndarray | None = None  # per replica: requests in flight there with this one (`AdmissionConfig.trust`)
     tpot_slo_ms: np.ndarray | None = None  # per replica: the request's TPOT SLO there (before the margin)
+    waitable: bool = False  # refused, but its TTFT fits a replica: only TPOT keeps it out now (`AdmissionLoop.hold`)
 
 
 def calibration(fleet: FleetArrays, config: AdmissionConfig) -> np.ndarray:
@@ -264,7 +273,8 @@ def decide(
     drain_s = float(np.min(excess / rate))
     retry = int(min(max(math.ceil(drain_s), 1), config.max_retry_after_s))
     full = not (((tpot <= app_limit) | measured) & ~(live > app_limit)).any()
-    return Decision(False, feasible, ttft, tpot, retry, full, level=level, tpot_slo_ms=request_tpot_slo)
+    waitable = bool((ttft <= ttft_slo).any())
+    return Decision(False, feasible, ttft, tpot, retry, full, level=level, tpot_slo_ms=request_tpot_slo, waitable=waitable)
 
 
 class DrainMeter:
@@ -446,6 +456,8 @@ class AdmissionLoop:
         self._last_chunk: dict[int, float] = {}  # ticket -> when its stream's last chunk was relayed
         self._chunking: dict[Hashable, deque[tuple[int, int]]] = {}  # replica -> (tokens, chunks) of its recent streams
         self._per_chunk: dict[Hashable, float] = {}  # replica -> tokens per relayed chunk over those
+        self._held: dict[Hashable, float] = {}  # request -> when it was first held (`hold`)
+        self._refused: deque[bool] = deque(maxlen=max(config.feedback_window, 1))  # the last decided: refused?
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
 
@@ -488,6 +500,41 @@ class AdmissionLoop:
                           "proven": None if kwargs.get("proven") is None else kwargs["proven"].tolist(),
                           "live": None if kwargs.get("live") is None else np.round(kwargs["live"], 2).tolist()}))
         return decision, corrections
+
+    def hold(self, key: Hashable, decision: Decision, waited_ms: float, replicas: int, now: float | None = None) -> bool:
+        """Whether the refused request `key` waits in the router's queue to be decided again (True) rather than be
+        refused now: only TPOT kept it out (`Decision.waitable`), it has waited under `hold_ms`, and fewer than
+        `hold_per_replica` x `replicas` others wait so. A replica's TPOT comes back under its limit as requests
+        finish: decided again then, it is admitted a little later instead of refused (in a traced run at the
+        sustainable rate, most refusals came while one replica's live TPOT was over its limit, spells that a
+        request's TTFT SLO can wait out)."""
+        now = time.monotonic() if now is None else now
+        since = self._held.pop(key, None)
+        if not decision.waitable or waited_ms >= self.config.hold_ms or not self.hold_room(replicas, now):
+            return False
+        self._held[key] = now if since is None else since
+        return True
+
+    def hold_room(self, replicas: int, now: float | None = None) -> bool:
+        """Whether another request may wait (`hold`): under `hold_per_replica` x `replicas` wait, and at most
+        `hold_refused_share` of the last requests decided were refused. Requests held past twice `hold_ms` (their
+        callers gone) are let go."""
+        config = self.config
+        now = time.monotonic() if now is None else now
+        stale = now - 2.0 * config.hold_ms / 1000.0
+        for key in [k for k, since in self._held.items() if since < stale]:
+            del self._held[key]
+        refused = sum(self._refused) / len(self._refused) if self._refused else 0.0
+        return (config.hold_ms > 0 and refused <= config.hold_refused_share
+                and len(self._held) < math.ceil(config.hold_per_replica * replicas))
+
+    def release(self, key: Hashable) -> None:
+        """The request `key` no longer waits (`hold`)."""
+        self._held.pop(key, None)
+
+    def decided(self, refused: bool) -> None:
+        """A request was admitted or refused for good (not held)."""
+        self._refused.append(refused)
 
     def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float, now: float | None = None,
                level: float | None = None, tpot_slo_ms: float | None = None) -> None:

@@ -27,6 +27,9 @@ ROUTER_CLASSES = {
 }
 
 
+HOLD_RETRY_S = 0.02
+
+
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -46,11 +49,17 @@ class RouterConfig(BaseModel):
             else {"stale_after_s": self.stale_after_s, "tie_ms": self.tie_ms, "admission": self.admission.model_dump(),
                   "ingresses": ingresses if self.extrapolate_in_flight else 1}
         )
+        # A request admission holds (`AdmissionLoop.hold`) is decided again at each of Serve's routing attempts:
+        # at a steady HOLD_RETRY_S rather than Serve's doubling backoff (25, 50, 100, ... ms), which would leave it
+        # waiting past the moment a replica comes back under its TPOT limit.
+        holds = self.kind != "pow2" and self.admission.enabled and self.admission.hold_ms > 0
+        backoff = {"initial_backoff_s": HOLD_RETRY_S, "backoff_multiplier": 1.0, "max_backoff_s": HOLD_RETRY_S} if holds else {}
         return RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[self.kind],
             request_router_kwargs=kwargs,
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(2.0 * stats_period_s, 5.0),
+            **backoff,
         )
 
 

@@ -115,6 +115,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         self._decisions = router_metrics.DECISIONS.labels(ROUTER_NAME, "ranked")
         self._fallbacks = router_metrics.DECISIONS.labels(ROUTER_NAME, "fallback")
         self._refusals = router_metrics.DECISIONS.labels(ROUTER_NAME, "refused")
+        self._holds = router_metrics.DECISIONS.labels(ROUTER_NAME, "held")
         self._timer = router_metrics.DECISION_SECONDS.labels(ROUTER_NAME)
         self._ttft_correction = router_metrics.ADMISSION_CORRECTION.labels("ttft")
         self._tpot_correction = router_metrics.ADMISSION_CORRECTION.labels("tpot")
@@ -137,7 +138,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         slo: dict | None = None,
         ticket: int | None = None,
     ) -> list[list[RunningReplica]]:
-        """Replicas in rank order; raises `AdmissionRejected` when admission finds none that meets the SLOs."""
+        """Replicas in rank order; raises `AdmissionRejected` when admission finds none that meets the SLOs, or
+        returns none while the request waits to be decided again (`AdmissionLoop.hold`)."""
         view = self._fleet(candidates)
         if view is None:  # cold start or a silent replica: power of two choices, Serve picks the shorter queue
             self._fallbacks.inc()
@@ -159,7 +161,13 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self._tpot_correction.set(correction.tpot_ms)
             self._tpot_slope.set(correction.tpot_slope)
             if not decision.admit:
+                if ticket is not None and loop.hold(ticket, decision, waited_ms, len(view.ids)):
+                    self._holds.inc()
+                    return []  # Serve's routing loop asks again after its backoff
+                loop.release(ticket)
                 raise self.refuse(decision)
+            loop.release(ticket)
+            loop.decided(refused=False)
             loop.gate.admitted()
             if ticket is not None:  # kept uncorrected: the feedback compares the model's own predictions
                 self._predictions[ticket] = (
@@ -178,6 +186,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         """Counts a refusal (one for a full fleet counts towards shutting the ingress's gate) and returns what the
         caller raises."""
         self._refusals.inc()
+        self.loop.decided(refused=True)
         if decision.full:
             self.loop.gate.refused_full(self.admission.gate_s, decision.retry_after_s)
         return admission_module.AdmissionRejected(decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min()))
@@ -204,7 +213,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             slo=admission_module.RequestSLO.model_validate(slo) if slo else None,
             commit=False,
         )
-        return None if routed.decision.admit else routed.decision
+        decision = routed.decision
+        return None if decision.admit or (decision.waitable and self.loop.hold_room(len(view.ids))) else decision
 
     def best_slack(self, body: dict | None) -> float | None:
         """The TPOT slack (ms) of this deployment's best replica for `body`, as `rank` would place it now (admission
@@ -268,11 +278,14 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self.in_flight[replica_id] += 1
-        predicted = self._predictions.pop(pending_request.kwargs.get("ticket"), None)
+        ticket = pending_request.kwargs.get("ticket")
+        if self.loop is not None:  # (Serve hands a free replica to the oldest request waiting: one held, maybe)
+            self.loop.release(ticket)
+        predicted = self._predictions.pop(ticket, None)
         if predicted is not None and replica_id in predicted[0]:
             i = predicted[0][replica_id]
             ttft, tpot, level, slo_ms = (float(p[i]) for p in predicted[1:])
-            self.loop.routed(pending_request.kwargs["ticket"], replica_id, ttft, tpot, level=level, tpot_slo_ms=slo_ms)
+            self.loop.routed(ticket, replica_id, ttft, tpot, level=level, tpot_slo_ms=slo_ms)
         if self._view is not None:
             args = pending_request.args
             body = args[1] if len(args) > 1 and isinstance(args[1], dict) else None

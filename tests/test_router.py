@@ -466,7 +466,7 @@ def test_the_router_refuses_before_the_body_only_where_it_would_refuse_every_bod
         from cluster.router import AcceptanceHeadroomRouter
 
         router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="lookahead", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0})
+        router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0, "hold_ms": 0.0})  # (holds: their own test)
         loop = router.loop
         code = {"prompt": "def f(x):\n    return x"}
         bodies = [code, {"prompt": "def f(x):\n" + "    y = x + 1\n" * 300}, {"prompt": "The history of the river valley is"},

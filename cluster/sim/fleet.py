@@ -11,8 +11,9 @@ each of Serve's routers does; admission's feedback is shared. Routers:
 - `pow2`: Serve's default, two random replicas, the one with fewer requests in flight;
 - `lor`: least outstanding requests.
 
-A replica takes at most `max_ongoing_requests`; a request no replica can take waits at the ingress and is
-decided again (with the time it waited, first come first served) whenever a request completes. A refused
+A replica takes at most `max_ongoing_requests`; a request no replica can take, or that admission holds
+(`AdmissionLoop.hold`), waits at the ingress and is decided again (with the time it waited, first come first
+served) whenever a request completes, and with admission also whenever one arrives. A refused
 request is answered 429 at once. With `autoscaling`, only the replicas the autoscaler has serving take
 requests (`cluster/sim/autoscaler.py`). Each request becomes a `loadtest.report.RequestRow`, so reports
 are the load test's own.
@@ -251,7 +252,7 @@ class Fleet:
         # The replicas taking requests (all, unless autoscaling), in `arrays`' order.
         self.serving = np.flatnonzero(self.autoscaler.routable) if self.autoscaler else np.arange(n)
         self.stats: list = []
-        self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "gated": 0}  # as the router counts them
+        self.decisions = {"ranked": 0, "fallback": 0, "refused": 0, "held": 0, "gated": 0}  # as the router counts them
         self.route_s = 0.0  # wall time in routing and admission decisions (what `simulate bench` reports)
         self.emitted_by_end = 0
         self._event_rate, self._rate_at, self._emitted_seen = 0.0, 0.0, 0
@@ -271,8 +272,10 @@ class Fleet:
         serving = self.serving
         free = np.zeros(len(self.engines), dtype=bool)
         free[serving] = self.in_flight[serving] < cap
-        if self.loop is not None and self.loop.gate.closed(now):
+        waited_ms = (now - r.arrival_s) * 1000.0
+        if self.loop is not None and waited_ms == 0.0 and self.loop.gate.closed(now):  # (a waiting request passed it)
             self.decisions["gated"] += 1
+            self.loop.decided(refused=True)
             return "refused"
         if self.config.router in ("lor", "pow2") or self.arrays is None:
             if not free.any():
@@ -287,7 +290,6 @@ class Fleet:
             return pick if free[pick] else least
         admission = self.config.admission if self.loop is not None else None
         ids = [int(i) for i in serving]
-        waited_ms = (now - r.arrival_s) * 1000.0
         scale = self.config.ingresses if self.config.extrapolate_in_flight else 1
         decided = route(
             self.arrays,
@@ -303,11 +305,18 @@ class Fleet:
             now=now,
         )
         if decided.decision is not None and not decided.decision.admit:
+            if self.loop.hold(r.id, decided.decision, waited_ms, len(ids), now):
+                self.decisions["held"] += 1
+                return None
+            self.loop.release(r.id)
+            self.loop.decided(refused=True)
             self.decisions["refused"] += 1
             if decided.decision.full:
                 self.loop.gate.refused_full(admission.gate_s, decided.decision.retry_after_s, now)
             return "refused"
         if decided.decision is not None:
+            self.loop.release(r.id)
+            self.loop.decided(refused=False)
             self.loop.gate.admitted()
         self.decisions["ranked"] += 1
         order = serving[decided.order]  # positions in `arrays` to replica indices
@@ -422,6 +431,12 @@ class Fleet:
             while events and events[0][0] <= end:
                 now, _, kind, payload = heapq.heappop(events)
                 if kind == "arrive":
+                    # A request that admission holds is decided again at each arrival and completion, before the
+                    # newcomer (Serve hands a free replica to the oldest request waiting).
+                    placed = 0
+                    while placed < len(waiting) and self.loop is not None and place(waiting[placed], now):
+                        placed += 1
+                    del waiting[:placed]
                     if not place(payload, now):
                         waiting.append(payload)
                 elif kind == "mark":

@@ -357,6 +357,32 @@ def test_a_replica_whose_streams_run_over_the_tpot_slo_now_takes_no_request():
     assert np.isnan(fresh.live_tpot(["r"], now=0.3)[0])
 
 
+def test_a_request_refused_only_for_its_tpot_waits_to_be_decided_again_within_its_hold():
+    config = CONFIG.model_copy(update={"hold_ms": 300.0, "hold_per_replica": 1.0, "hold_refused_share": 0.1})
+    tpot_only = one(stats(30), config=config)  # TPOT 23.5 ms after joining; its TTFT fits
+    late = one(stats(30), config=config, waited_ms=600.0)  # past its TTFT SLO: nothing to wait for
+    assert not tpot_only.admit and tpot_only.waitable and not late.admit and not late.waitable
+    loop = AdmissionLoop(config)
+    assert loop.hold("a", tpot_only, 0.0, 2, now=0.0) and loop.hold("a", tpot_only, 250.0, 2, now=0.25)
+    assert not loop.hold("a", tpot_only, 300.0, 2, now=0.3)  # its hold is up: refused
+    assert not loop.hold("b", late, 0.0, 2, now=0.3)
+    # At most hold_per_replica x replicas wait at once; one decided for good makes room.
+    assert loop.hold("c", tpot_only, 0.0, 2, now=1.0) and loop.hold("d", tpot_only, 0.0, 2, now=1.0)
+    assert not loop.hold("e", tpot_only, 0.0, 2, now=1.0) and not loop.hold_room(2, now=1.0)
+    loop.release("c")
+    assert loop.hold("e", tpot_only, 0.0, 2, now=1.0) and not loop.hold_room(2, now=1.0)
+    assert loop.hold_room(2, now=1.0 + 2 * 0.3 + 0.01)  # callers gone: their holds are let go
+    # Under overload (most recent requests refused) a request held would mostly wait to be refused: none waits.
+    for _ in range(config.feedback_window):
+        loop.decided(refused=True)
+    assert not loop.hold("f", tpot_only, 0.0, 2, now=5.0)
+    for _ in range(config.feedback_window):
+        loop.decided(refused=False)
+    assert loop.hold("f", tpot_only, 0.0, 2, now=5.0)
+    # Control: with no hold configured, nothing ever waits.
+    assert not AdmissionLoop(config.model_copy(update={"hold_ms": 0.0})).hold("a", tpot_only, 0.0, 2, now=0.0)
+
+
 def test_the_admission_trace_joins_each_requests_prediction_to_its_measurement(tmp_path, monkeypatch):
     import json
 

@@ -354,6 +354,60 @@ def test_router_keeps_the_prediction_of_a_ticketed_request_for_the_replica_it_we
     asyncio.run(go())
 
 
+def test_a_ticketed_request_refused_only_for_tpot_waits_in_the_routers_queue_and_goes_when_a_replica_frees():
+    """`AdmissionLoop.hold` in the router: Serve's routing loop asks again (every `HOLD_RETRY_S`) while the request
+    waits; the ingress's look before the body lets requests through while the hold has room, and refuses once it
+    is full; past `hold_ms` the request is refused. Control: without a ticket (no caller to wait) it is refused."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cluster import admission
+    from cluster.app import HOLD_RETRY_S, RouterConfig
+    from cluster.router import AcceptanceHeadroomRouter
+
+    async def go():
+        router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="held", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0, "hold_ms": 300.0, "hold_per_replica": 1.0})
+        loop = router.loop
+        busy = fleet([60, 60])  # past the TPOT limit, nothing queued: only TPOT keeps requests out
+        router.update_replicas(busy)
+
+        def ticketed():
+            request = pending()
+            request.kwargs["ticket"] = loop.ticket()
+            return request
+
+        first, second, third = ticketed(), ticketed(), ticketed()
+        assert router.refusal_for_any_body(None) is None  # room to wait: the body is read
+        assert await router.choose_replicas(busy, first) == [] and not first.future.done()
+        assert await router.choose_replicas(busy, second) == [] and not second.future.done()
+        assert router.refusal_for_any_body(None) is not None  # both replicas' holds taken: refused unread
+        await router.choose_replicas(busy, third)
+        assert isinstance(third.future.exception(), admission.AdmissionRejected)
+        untagged = pending()  # control
+        await router.choose_replicas(busy, untagged)
+        assert isinstance(untagged.future.exception(), admission.AdmissionRejected)
+        # A replica frees up: the request waiting is decided again and placed there, and leaves the hold.
+        freed = updated(busy, {0: stats(2).model_dump()})
+        ranks = await router.choose_replicas(freed, first)
+        assert ranks and ranks[0][0].replica_id.unique_id == "r0" and not first.future.done()
+        router.on_request_routed(first, ranks[0][0].replica_id, None)
+        assert first.kwargs["ticket"] not in loop._held and second.kwargs["ticket"] in loop._held
+        # Within its hold a request still refused for TPOT waits on (the two refusals above aside); past it, it is refused.
+        for _ in range(loop.config.feedback_window):
+            loop.decided(refused=False)
+        second.created_at = time.time() - 0.2
+        assert await router.choose_replicas(busy, second) == [] and not second.future.done()
+        second.created_at = time.time() - 0.35
+        await router.choose_replicas(busy, second)
+        assert isinstance(second.future.exception(), admission.AdmissionRejected) and loop.hold_room(2)
+
+    asyncio.run(go())
+    # Serve's routing loop asks again at a steady pace while requests may wait, and backs off as Serve does without.
+    assert RouterConfig().request_router_config(1.0).max_backoff_s == HOLD_RETRY_S
+    unheld = RouterConfig.model_validate({"admission": {"hold_ms": 0}}).request_router_config(1.0)
+    assert unheld.initial_backoff_s != HOLD_RETRY_S and unheld.backoff_multiplier > 1
+
+
 def test_gpu_tensor_parallel_replicas_get_one_bundle_per_gpu():
     """GPU placement cannot run here: this checks the deployment options Serve would be given."""
     from ray.serve.schema import DeploymentSchema

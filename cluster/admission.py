@@ -510,7 +510,12 @@ class AdmissionLoop:
         request's TTFT SLO can wait out)."""
         now = time.monotonic() if now is None else now
         since = self._held.pop(key, None)
-        if not decision.waitable or waited_ms >= self.config.hold_ms or not self.hold_room(replicas, now):
+        why = ("ttft" if not decision.waitable else "expired" if waited_ms >= self.config.hold_ms
+               else None if self.hold_room(replicas, now) else "no room")
+        if self._trace is not None and (why is None) != (since is not None):  # a hold begins, or ends refused
+            self._log("hold", now, key=key, held=why is None, why=why, waited=round(waited_ms, 1),
+                      refused_share=round(sum(self._refused) / max(len(self._refused), 1), 3), holding=len(self._held))
+        if why is not None:
             return False
         self._held[key] = now if since is None else since
         return True
@@ -530,7 +535,9 @@ class AdmissionLoop:
 
     def release(self, key: Hashable) -> None:
         """The request `key` no longer waits (`hold`)."""
-        self._held.pop(key, None)
+        since = self._held.pop(key, None)
+        if since is not None and self._trace is not None:
+            self._log("hold", time.monotonic(), key=key, held=False, why="placed", waited=None)
 
     def decided(self, refused: bool) -> None:
         """A request was admitted or refused for good (not held)."""

@@ -503,8 +503,8 @@ class AdmissionLoop:
 
     def hold(self, key: Hashable, decision: Decision, waited_ms: float, replicas: int, now: float | None = None) -> bool:
         """Whether the refused request `key` waits in the router's queue to be decided again (True) rather than be
-        refused now: only TPOT kept it out (`Decision.waitable`), it has waited under `hold_ms`, and fewer than
-        `hold_per_replica` x `replicas` others wait so. A replica's TPOT comes back under its limit as requests
+        refused now: only TPOT kept it out (`Decision.waitable`), it has waited under `hold_ms`, and there is
+        room (`hold_room`). A replica's TPOT comes back under its limit as requests
         finish: decided again then, it is admitted a little later instead of refused (in a traced run at the
         sustainable rate, most refusals came while one replica's live TPOT was over its limit, spells that a
         request's TTFT SLO can wait out)."""

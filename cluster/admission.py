@@ -514,7 +514,7 @@ class AdmissionLoop:
                else None if self.hold_room(replicas, now) else "no room")
         if self._trace is not None and (why is None) != (since is not None):  # a hold begins, or ends refused
             self._log("hold", now, key=key, held=why is None, why=why, waited=round(waited_ms, 1),
-                      refused_share=round(sum(self._refused) / max(len(self._refused), 1), 3), holding=len(self._held))
+                      refused_share=round(self._refused_share(), 3), holding=len(self._held))
         if why is not None:
             return False
         self._held[key] = now if since is None else since
@@ -529,9 +529,11 @@ class AdmissionLoop:
         stale = now - 2.0 * config.hold_ms / 1000.0
         for key in [k for k, since in self._held.items() if since < stale]:
             del self._held[key]
-        refused = sum(self._refused) / len(self._refused) if self._refused else 0.0
-        return (config.hold_ms > 0 and refused <= config.hold_refused_share
+        return (config.hold_ms > 0 and self._refused_share() <= config.hold_refused_share
                 and len(self._held) < math.ceil(config.hold_per_replica * replicas))
+
+    def _refused_share(self) -> float:
+        return sum(self._refused) / len(self._refused) if self._refused else 0.0
 
     def release(self, key: Hashable) -> None:
         """The request `key` no longer waits (`hold`)."""

@@ -164,8 +164,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 if ticket is not None and loop.hold(ticket, decision, waited_ms, len(view.ids)):
                     self._holds.inc()
                     return []  # Serve's routing loop asks again after its backoff
-                loop.release(ticket)
-                raise self.refuse(decision)
+                raise self.refuse(decision)  # (`hold` let go of its hold, if it had one)
             loop.release(ticket)
             loop.decided(refused=False)
             loop.gate.admitted()

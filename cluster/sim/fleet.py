@@ -308,7 +308,6 @@ class Fleet:
             if self.loop.hold(r.id, decided.decision, waited_ms, len(ids), now):
                 self.decisions["held"] += 1
                 return None
-            self.loop.release(r.id)
             self.loop.decided(refused=True)
             self.decisions["refused"] += 1
             if decided.decision.full:

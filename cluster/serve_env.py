@@ -20,11 +20,17 @@ or in the environment of `ray start` on every node (the shipped manifests do).
 
 Values already in the environment win, so an operator can turn any of them off.
 
-A Ray that `forespark serve` starts itself also gets `LOCAL_RAY_ENV`: its
-processes export metrics every 2 s instead of Ray's 10 s, so that a load
-test's per-replica account (`loadtest/server_metrics.py`) settles within
-seconds of the run. A cluster keeps Ray's default, which its Prometheus
-scrape interval matches.
+A Ray that `forespark serve` starts itself also gets `LOCAL_RAY_ENV`:
+- `RAY_metrics_report_interval_ms=2000`: its processes export metrics every 2 s
+  instead of Ray's 10 s, so that a load test's per-replica account
+  (`loadtest/server_metrics.py`) settles within seconds of the run. A cluster
+  keeps Ray's default, which its Prometheus scrape interval matches.
+- `RAY_worker_niceness=0`: Ray starts its workers at niceness 15, the HTTP
+  proxy and the ingress among them, so on a host whose cores the engines fill
+  (the CPU default) a refusal or a stream's chunk waited for the CPU behind
+  engine steps. Workers start at 0 and the engine replicas lower themselves to
+  `replica.niceness` (15). A cluster's `ray start` may set the same; without
+  it every worker stays at 15, engines included, as before.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ SERVE_ENV = {
 }
 
 
-LOCAL_RAY_ENV = {"RAY_metrics_report_interval_ms": "2000"}
+LOCAL_RAY_ENV = {"RAY_metrics_report_interval_ms": "2000", "RAY_worker_niceness": "0"}
 
 
 def serve_environment() -> dict[str, str]:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replicas.engine import EngineConfig, cpu_engine_environment
+from replicas.engine import EngineConfig, cpu_engine_environment, lower_priority
 from replicas.metrics import LatestSchedulerStats, RayExport, measured_step_ms, process_cpu_seconds, replica_families
 from replicas.openai_api import exception_reply
 from replicas.routing_stats import RoutingStats, StepMix, autoscaling_metrics, routing_stats, step_mix
@@ -99,6 +99,10 @@ class ReplicaConfig(BaseModel):
     stream_batch_ms: float = Field(default=50.0, ge=0, description="SSE lines after a stream's first are sent to the ingress "
                                    "in batches this old (as Ray Serve LLM's stream batching, 50 ms by default): each batch is "
                                    "one Ray message through the ingress and the proxy")
+    niceness: int = Field(default=15, ge=0, le=19, description="the replica's process (and its engine core's) runs at this "
+                          "niceness or lower priority: below the serving path's (HTTP proxy, ingress), whose latency is a "
+                          "request's, while an engine's work is a batch's (Ray's own worker niceness is 15; a Ray that "
+                          "`forespark serve` starts runs its workers at 0, `cluster/serve_env.py`)")
     groups: list[EngineGroup] = Field(default_factory=list, description="replicas with other engine settings, by rank "
                                       "(EngineGroup); num_replicas becomes their total")
 
@@ -220,6 +224,7 @@ class EngineReplica:
         from replicas.openai_api import OpenAIEngine
 
         cpu_engine_environment()
+        lower_priority(config.niceness)  # (before the engine core starts: it inherits it)
         self.config = config
         self.rank = replica_rank()
         self.group = config.group_of(self.rank)

@@ -26,6 +26,20 @@ def cpu_engine_environment() -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def lower_priority(niceness: int) -> int:
+    """Run this process at `niceness` or lower priority: every thread now, and so the threads and processes they
+    start (the engine core). Linux keeps a niceness per thread, so `os.nice` alone would leave the other threads
+    where they were. Never raises a priority (that needs privileges); returns the niceness in effect."""
+    tasks = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tasks:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 class DrafterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

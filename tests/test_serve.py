@@ -6,6 +6,7 @@ Tests run in file order against one deployment; the replica-killing test comes l
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -106,25 +107,44 @@ def test_openai_client_completes_and_streams_and_the_key_is_required(app):
     assert raw.status_code == 401
 
 
-def test_each_replicas_engine_core_runs_the_v1_runner_in_its_own_process(app):
+def runner_infos(calls: int = 4) -> list[dict]:
+    """`EngineReplica.runner_info` of `calls` handle calls (the router spreads them over the replicas)."""
     from ray import serve
-
-    from replicas.wcs.config import RUNNER_ENV
 
     async def ask() -> list[dict]:
         handle = serve.get_deployment_handle("EngineReplica", app_name="forespark")
-        return [await handle.runner_info.remote() for _ in range(4)]
+        return [await handle.runner_info.remote() for _ in range(calls)]
 
     # The throughput mode runs a handle's router on the caller's event loop, which must outlive the handle:
     # one that runs on in a thread of its own until the process ends.
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    infos = asyncio.run_coroutine_threadsafe(ask(), loop).result(timeout=120)
-    for info in infos:
+    return asyncio.run_coroutine_threadsafe(ask(), loop).result(timeout=120)
+
+
+def test_each_replicas_engine_core_runs_the_v1_runner_in_its_own_process(app):
+    from replicas.wcs.config import RUNNER_ENV
+
+    for info in runner_infos():
         (rank,) = info["ranks"]  # TP 1: the worker runs inside the engine-core process
         assert rank["pid"] != info["pid"]  # AsyncLLM's engine core is the replica's child process
         assert rank["env"] == "0" and rank["use_v2_model_runner"] is False, (RUNNER_ENV, rank)
         assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner" in rank["runner"]
+
+
+def test_engines_run_at_a_lower_priority_than_the_serving_path(app):
+    import psutil
+
+    def named(part: str) -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if any(part in c for c in p.info["cmdline"] or ())]
+
+    replicas = named("forespark:EngineReplica")
+    engines = replicas + [c for r in replicas for c in r.children(recursive=True) if "EngineCore" in c.name()]
+    assert len(replicas) == 2 and len(engines) >= 4, engines  # each replica and its engine core
+    for p in engines:
+        assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()} == {app.replica.niceness}, p
+    serving = named("ProxyActor") + named("forespark:Ingress")
+    assert len(serving) == 2 and all(p.nice() == 0 for p in serving), serving
 
 
 @pytest.mark.parametrize(

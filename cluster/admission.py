@@ -92,6 +92,7 @@ import math
 import os
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Hashable, NamedTuple
 
 import numpy as np
@@ -150,6 +151,8 @@ class AdmissionConfig(BaseModel):
                                       "held would mostly wait to be refused")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")
+    board: bool = Field(default=True, description="the ingress posts what admission would answer any request now where its "
+                        "node's HTTP proxy reads it, and the proxy refuses while it says so (cluster/admission_board.py)")
 
 
 class RequestSLO(BaseModel):
@@ -458,6 +461,7 @@ class AdmissionLoop:
         self._per_chunk: dict[Hashable, float] = {}  # replica -> tokens per relayed chunk over those
         self._held: dict[Hashable, float] = {}  # request -> when it was first held (`hold`)
         self._refused: deque[bool] = deque(maxlen=max(config.feedback_window, 1))  # the last decided: refused?
+        self.listeners: list[Callable[[], None]] = []  # told when a request is placed or completes (`changed`)
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
 
@@ -540,6 +544,11 @@ class AdmissionLoop:
         since = self._held.pop(key, None)
         if since is not None and self._trace is not None:
             self._log("hold", time.monotonic(), key=key, held=False, why="placed", waited=None)
+
+    def changed(self) -> None:
+        """A request was placed or completed: what admission answers may have changed."""
+        for listener in self.listeners:
+            listener()
 
     def decided(self, refused: bool) -> None:
         """A request was admitted or refused for good (not held)."""

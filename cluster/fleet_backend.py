@@ -50,7 +50,12 @@ class FleetBackend:
         if all(b.gate_closed() for b in self.backends):
             return self.backends[0].refusal_before_body(headers)
         decisions = [b.refusal_for_any_body(headers) for b in self.backends]
-        return self.backends[0].refuse(decisions[0]) if all(d is not None for d in decisions) else None
+        if not all(d is not None for d in decisions):
+            return None
+        reply = self.backends[0].refuse(decisions[0])
+        for b in self.backends:  # (the proxy refuses while every board does)
+            b.post_board()
+        return reply
 
     async def list_models(self) -> Reply:
         return await self.backends[0].list_models()
@@ -62,4 +67,5 @@ class FleetBackend:
         return await self.backends[0].metrics()  # one node's agent exports every deployment's series
 
     def shutdown(self) -> None:
-        pass
+        for b in self.backends:
+            b.shutdown()

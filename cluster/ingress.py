@@ -20,7 +20,10 @@ that it measured. While the router's last decision was a refusal for a full
 fleet (`AdmissionGate`), it answers 429 without calling the handle; and before
 it reads a request's body (behind Serve's proxy a call back to the proxy) it
 asks the router whether admission would refuse any body now
-(`AcceptanceHeadroomRouter.refusal_for_any_body`).
+(`AcceptanceHeadroomRouter.refusal_for_any_body`). What that look answers it
+posts on admission's board (`cluster/admission_board.py`), from which the HTTP
+proxy refuses requests itself: after each refusal it makes, each placement and
+completion, and every `REFRESH_S` while the board refuses.
 
 `GET /metrics` passes on ForeSpark's series from the Ray metrics agent of the
 ingress's own node (`HandleBackend.metrics`); there is no central collector.
@@ -28,6 +31,7 @@ ingress's own node (`HandleBackend.metrics`); there is no central collector.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -48,6 +52,7 @@ from cluster.admission import (
     RequestSLO,
     admission_loop,
 )
+from cluster.admission_board import Posted
 from cluster.proxy_gate import GATE_HEADER
 from cluster.router_metrics import DECISIONS
 from replicas.openai_api import Reply, error_reply, exception_reply
@@ -107,6 +112,9 @@ def _fetch_text(url: str, timeout_s: float = 10.0) -> str:
 
 
 GATED = DECISIONS.labels("acceptance_headroom", "gated")  # refused at the ingress's gate, before the router
+BOARD = DECISIONS.labels("acceptance_headroom", "proxy")  # refused by the proxy from admission's board
+GATE_MESSAGE = "no replica can serve the request within its SLOs now"
+TTL_S, REFRESH_S = 0.05, 0.02  # a posted refusal's life; how often it is looked at again while posted
 _COMPLETION_TOKENS = re.compile(r'"completion_tokens"\s*:\s*(\d+)')
 
 
@@ -119,6 +127,11 @@ class HandleBackend:
         self.config = config
         self.loop = loop  # admission's, shared with the router (None: admission off)
         self._metrics_url: str | None = None  # this node's Ray metrics agent, found on the first GET /metrics
+        self.board: Posted | None = None
+        if loop is not None and loop.config.board:
+            self.board = Posted(self.deployment_name, config.api_key)
+            loop.listeners.append(self.post_board)
+        self._refreshing: asyncio.Task | None = None
 
     def gate_closed(self) -> bool:
         """Admission's gate: the router refused last and nothing finished since."""
@@ -126,9 +139,48 @@ class HandleBackend:
 
     def refusal_before_body(self, headers: Mapping[str, str] | None = None) -> Reply | None:
         if self.gate_closed():
-            return self._gated()
-        decision = self.refusal_for_any_body(headers)
-        return None if decision is None else self.refuse(decision)
+            reply = self._gated()
+        else:
+            decision = self.refusal_for_any_body(headers)
+            reply = None if decision is None else self.refuse(decision)
+        if reply is not None:
+            self.post_board()
+        return reply
+
+    def post_board(self) -> None:
+        """Post what admission answers any request with the application's SLOs now (`cluster/admission_board.py`),
+        and count the refusals the proxy answered since the last post as this ingress's."""
+        board, loop = self.board, self.loop
+        if board is None:
+            return
+        answered = board.counted()
+        if answered:
+            BOARD.inc(answered)
+            for _ in range(min(answered, loop.config.feedback_window)):
+                loop.decided(refused=True)
+        status, now = self.config.overload_status, time.monotonic()
+        if loop.gate.closed(now):
+            board.refuse(min(loop.gate.closed_until, now + TTL_S), status, loop.gate.retry_after_s, GATE_MESSAGE)
+        elif (decision := self.refusal_for_any_body({})) is not None:
+            rejected = AdmissionRejected(decision.retry_after_s, float(decision.ttft_ms.min()), float(decision.tpot_ms.min()))
+            board.refuse(now + TTL_S, status, decision.retry_after_s, str(rejected))
+        else:
+            board.open()
+        if board.refusing(now) and self._refreshing is None:
+            try:
+                self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+            except RuntimeError:  # no event loop here (a router's callback outside one): the next request starts it
+                pass
+
+    async def _refresh(self) -> None:
+        """Look again every `REFRESH_S` while the board refuses: what changes with time alone (a replica's live
+        TPOT, fresh routing stats) reopens it."""
+        try:
+            while self.board is not None and self.board.refusing():
+                await asyncio.sleep(REFRESH_S)
+                self.post_board()
+        finally:
+            self._refreshing = None
 
     def refusal_for_any_body(self, headers: Mapping[str, str] | None) -> Decision | None:
         """The router's refusal of any request with these headers now (looks only), or None."""
@@ -282,7 +334,9 @@ class HandleBackend:
         return filter_series(text)
 
     def shutdown(self) -> None:
-        pass
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
 
 class Ingress:

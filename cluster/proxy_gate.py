@@ -1,4 +1,9 @@
-"""Refusals answered in Serve's HTTP proxy while admission's gate is shut.
+"""Refusals answered in Serve's HTTP proxy: from admission's board, and while admission's gate is shut.
+
+First the board (`cluster/admission_board.py`): while every ingress on the proxy's node posts that admission
+refuses any request now, the proxy refuses a request to the OpenAI routes itself (without SLO headers of its
+own, with the right API key), with the posted status, `Retry-After` and message. What the board does not
+answer falls back to the replay below.
 
 Under overload most requests are refused (`cluster/admission.py`), and each
 refusal that reaches the ingress crosses the proxy -> ingress hop twice. On the
@@ -17,20 +22,25 @@ Serve installs the middleware from `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`
 
 from __future__ import annotations
 
+import json
 import time
+
+from cluster.admission_board import Boards
 
 GATE_HEADER = "x-forespark-gate-ms"
 ANSWERED_HEADER = "x-forespark-refused-by"  # "proxy" on the refusals replayed here (`forespark overload` splits their times)
 GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
 WINDOW_S = 0.1
+SLO_HEADERS = (b"x-slo-ttft-ms", b"x-slo-tpot-ms")  # (`cluster.admission.TTFT_HEADER`, `TPOT_HEADER`)
 
 
 class ProxyGate:
     """Pure ASGI middleware (streamed responses pass through untouched)."""
 
-    def __init__(self, app, window_s: float = WINDOW_S) -> None:
+    def __init__(self, app, window_s: float = WINDOW_S, boards: Boards | None = None) -> None:
         self.app = app
         self.window_s = window_s
+        self.boards = Boards() if boards is None else boards
         self.closed_until = 0.0
         self._refusal: tuple[dict, bytes] | None = None  # the ingress's last gated refusal: start message, body
         self.answered = 0  # refusals answered here
@@ -39,6 +49,8 @@ class ProxyGate:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in GATED_PATHS:
             await self.app(scope, receive, send)
             return
+        if await self._answer_from_board(scope, send):
+            return
         if self._refusal is not None and time.monotonic() < self.closed_until:
             start, body = self._refusal
             self.answered += 1
@@ -46,6 +58,23 @@ class ProxyGate:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
         await self.app(scope, receive, self._watching(send))
+
+    async def _answer_from_board(self, scope, send) -> bool:
+        headers = dict(scope.get("headers") or ())
+        if any(h in headers for h in SLO_HEADERS):
+            return False
+        authorization = headers.get(b"authorization")
+        refusal = self.boards.refusal(None if authorization is None else authorization.decode(errors="replace"))
+        if refusal is None:
+            return False
+        self.answered += 1
+        error_type = "RateLimitError" if refusal.status == 429 else "ServiceUnavailableError"
+        body = json.dumps({"error": {"message": refusal.message, "type": error_type, "param": None, "code": refusal.status}}).encode()
+        await send({"type": "http.response.start", "status": refusal.status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(refusal.retry_after_s).encode()), (ANSWERED_HEADER.encode(), b"proxy")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return True
 
     def _watching(self, send):
         gated: dict | None = None

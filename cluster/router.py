@@ -289,6 +289,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             args = pending_request.args
             body = args[1] if len(args) > 1 and isinstance(args[1], dict) else None
             self._view.count(replica_id, 1, self._prompt_tokens(body))
+        if self.loop is not None:
+            self.loop.changed()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.drain.completed(replica_id)
@@ -298,6 +300,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
             self.in_flight[replica_id] -= 1
             if self._view is not None:
                 self._view.count(replica_id, -1)
+        if self.loop is not None:
+            self.loop.changed()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)  # Serve stops offering it as a candidate at once

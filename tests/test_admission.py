@@ -495,10 +495,13 @@ def test_admission_keeps_a_margin_under_the_tpot_slo():
     assert AdmissionConfig().tpot_share == 0.75
 
 
-def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everything_else():
+def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everything_else(tmp_path):
     import json
 
+    from cluster.admission_board import Boards
     from cluster.proxy_gate import ANSWERED_HEADER, GATE_HEADER, ProxyGate
+
+    no_boards = Boards(tmp_path)  # (admission's board aside: tests/test_admission_board.py)
 
     calls = []
 
@@ -518,7 +521,7 @@ def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everythin
         return sent
 
     async def go():
-        gate = ProxyGate(ingress, window_s=0.2)
+        gate = ProxyGate(ingress, window_s=0.2, boards=no_boards)
         first = await call(gate, "/v1/completions")
         again = await call(gate, "/v1/completions")
         assert calls == ["/v1/completions"] and gate.answered == 1  # answered by the proxy
@@ -531,7 +534,7 @@ def test_the_proxy_replays_a_gated_refusal_for_its_window_and_forwards_everythin
         await call(gate, "/v1/completions")
         assert calls.count("/v1/completions") == 2
         # Control: a refusal without the gate's header (queues full) is not replayed.
-        other = ProxyGate(ingress, window_s=10.0)
+        other = ProxyGate(ingress, window_s=10.0, boards=no_boards)
         await call(other, "/v1/chat/completions")
         await call(other, "/v1/chat/completions")
         assert calls.count("/v1/chat/completions") == 2 and other.answered == 0

@@ -379,6 +379,11 @@ def test_a_request_refused_only_for_its_tpot_waits_to_be_decided_again_within_it
     for _ in range(config.feedback_window):
         loop.decided(refused=False)
     assert loop.hold("f", tpot_only, 0.0, 2, now=5.0)
+    # By default one refusal among the recent decisions is enough: none waits until it has left the window.
+    strict = AdmissionLoop(config.model_copy(update={"hold_refused_share": AdmissionConfig().hold_refused_share}))
+    assert strict.hold("g", tpot_only, 0.0, 2, now=0.0)
+    strict.decided(refused=True)
+    assert not strict.hold("h", tpot_only, 0.0, 2, now=0.0) and not strict.hold("g", tpot_only, 20.0, 2, now=0.02)
     # Control: with no hold configured, nothing ever waits.
     assert not AdmissionLoop(config.model_copy(update={"hold_ms": 0.0})).hold("a", tpot_only, 0.0, 2, now=0.0)
 

@@ -366,7 +366,9 @@ def test_a_ticketed_request_refused_only_for_tpot_waits_in_the_routers_queue_and
 
     async def go():
         router = AcceptanceHeadroomRouter(deployment_id=DeploymentID(name="held", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(admission={"ttft_ms": 1000.0, "gate_s": 60.0, "hold_ms": 300.0, "hold_per_replica": 1.0})
+        router.initialize_state(
+            admission={"ttft_ms": 1000.0, "gate_s": 60.0, "hold_ms": 300.0, "hold_per_replica": 1.0, "hold_refused_share": 0.1}
+        )
         loop = router.loop
         busy = fleet([60, 60])  # past the TPOT limit, nothing queued: only TPOT keeps requests out
         router.update_replicas(busy)

@@ -143,8 +143,8 @@ def test_engines_run_at_a_lower_priority_than_the_serving_path(app):
     assert len(replicas) == 2 and len(engines) >= 4, engines  # each replica and its engine core
     for p in engines:
         assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()} == {app.replica.niceness}, p
-    serving = named("ProxyActor") + named("forespark:Ingress")
-    assert len(serving) == 2 and all(p.nice() == 0 for p in serving), serving
+    serving = named("ProxyActor") + named("forespark:Ingress")  # at the niceness of the process that started Ray
+    assert len(serving) == 2 and all(p.nice() == os.nice(0) < app.replica.niceness for p in serving), serving
 
 
 @pytest.mark.parametrize(

@@ -147,10 +147,8 @@ class AdmissionConfig(BaseModel):
     hold_per_replica: float = Field(default=1.0, ge=0, description="requests waiting so at once, per replica; "
                                     "the rest are refused at once")
     hold_refused_share: float = Field(default=0.0, ge=0, le=1, description="requests wait so only while at most this "
-                                      "share of the last `feedback_window` decided were refused (the proxy's refusals from "
-                                      "the board included): under overload a request held would mostly wait to be refused, "
-                                      "and its refusal would come late (at 0.1, holds that ran out set the refusals' p99 at "
-                                      "twice the sustainable rate)")
+                                      "share of the last `feedback_window` decided were refused (the proxy's from the board "
+                                      "included): under overload a request held would mostly wait to be refused, late")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")
     board: bool = Field(default=True, description="the ingress posts what admission would answer any request now where its "

@@ -73,7 +73,7 @@ DECISIONS = _Family(
     "counter",
     "forespark_router_decisions",
     "routing decisions of the request router",
-    ("router", "mode"),  # ranked (on replica stats) | fallback (power of two choices) | refused | held (to be decided again) | gated (at the ingress)
+    ("router", "mode"),  # ranked (on replica stats) | fallback (power of two choices) | refused | held (to be decided again) | gated (at the ingress) | proxy (from the board)
 )
 DECISION_SECONDS = _Family(
     "histogram",

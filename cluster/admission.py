@@ -132,6 +132,8 @@ class AdmissionConfig(BaseModel):
     proven_miss_share: float = Field(default=0.1, ge=0, lt=1, description="a replica's proven level is the most requests "
                                      "in flight at which a recent request there met its SLOs, with at most this share of those "
                                      "at that level or fewer missing theirs")
+    proven_tpot_share: float = Field(default=1.0, gt=0, le=1, description="a request proves its level only with a TPOT "
+                                     "within this share of its SLO (1: meeting the SLO proves it)")
     admit_proven: bool = Field(default=True, description="admit up to one request past a replica's proven level whatever "
                                "the TPOT forecast says (False: the forecast decides every level)")
     trust: float | None = Field(default=0.25, ge=0, description="past that, the forecast admits up to (1 + trust) times "
@@ -590,7 +592,9 @@ class AdmissionLoop:
             self._per_chunk[replica] = sum(t for t, _ in counted) / sum(c for _, c in counted)
         life, lived = self._life_forecast(replica, since, now)
         self.feedback.observe((ttft_predicted, life), ttft_ms, tpot_ms, now, tokens)
-        met = ttft_ms <= self.config.ttft_ms and (tpot_ms is None or tpot_slo_ms is None or tpot_ms <= tpot_slo_ms)
+        met = ttft_ms <= self.config.ttft_ms and (
+            tpot_ms is None or tpot_slo_ms is None or tpot_ms <= self.config.proven_tpot_share * tpot_slo_ms
+        )
         if level is not None:
             level = lived if math.isfinite(lived) else level  # what it lived through, not only what it joined
             window = self.config.feedback_window or 1

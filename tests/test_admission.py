@@ -334,6 +334,12 @@ def test_a_replica_proves_the_levels_its_requests_lived_through_and_a_miss_takes
     assert loop.proven_levels(["r"])[0] == 21.0
     loop.forget("r")
     assert np.isnan(loop.proven_levels(["r"])[0])
+    # A stricter proof: a request at 19 ms of its 20 ms SLO proves its level only where that is within the share.
+    for share, proven in ((1.0, 6.0), (0.9, 0.0)):
+        strict = AdmissionLoop(CONFIG.model_copy(update={"proven_tpot_share": share}))
+        strict.routed(0, "r", 100.0, 10.0, now=0.0, level=6.0, tpot_slo_ms=20.0)
+        strict.finished(0, 100.0, 19.0, now=1.0, tokens=32)
+        assert strict.proven_levels(["r"])[0] == proven, share
 
 
 def test_a_replica_whose_streams_run_over_the_tpot_slo_now_takes_no_request():

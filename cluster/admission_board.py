@@ -10,11 +10,12 @@ until when that holds. The proxy (`cluster/proxy_gate.py`) refuses a request its
 its node refuses, and counts what it refused on the board; the ingress folds those counts into admission's
 record of decisions (`AdmissionLoop.decided`), as if it had refused them.
 
-A posted refusal lasts `ttl_s` (50 ms) unless the ingress posts again. It looks again every `refresh_s` (20
-ms) while refusing, and at once when a request is placed or completes (the events that most change the
+A posted refusal lasts 50 ms (`cluster.ingress.TTL_S`) unless the ingress posts again. It looks again every 20
+ms (`REFRESH_S`) while refusing, and at once when a request is placed or completes (the events that most change the
 answer), so the proxy's answer is at most a refresh old. Requests the proxy forwards are decided by the ingress
 as before. A request carrying its own SLO headers, or the wrong API key, is always forwarded: the ingress
-answers those (a tighter SLO or a malformed header, a 401).
+answers those (a tighter SLO or a malformed header, a 401). Where the board's directory cannot be written,
+the ingress runs without one (and logs it).
 
 Each field group is written by one process under a sequence number (a seqlock): odd while it is written, and
 a reader that sees it change reads again. A board whose writer is gone is ignored.

@@ -129,8 +129,11 @@ class HandleBackend:
         self._metrics_url: str | None = None  # this node's Ray metrics agent, found on the first GET /metrics
         self.board: Posted | None = None
         if loop is not None and loop.config.board:
-            self.board = Posted(self.deployment_name, config.api_key)
-            loop.listeners.append(self.post_board)
+            try:
+                self.board = Posted(self.deployment_name, config.api_key)
+                loop.listeners.append(self.post_board)
+            except OSError as e:
+                logger.warning("admission's board is off: %s", e)
         self._refreshing: asyncio.Task | None = None
 
     def gate_closed(self) -> bool:

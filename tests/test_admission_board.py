@@ -189,6 +189,11 @@ def test_the_ingress_posts_its_refusals_counts_the_proxys_and_reopens_when_room_
     backend.shutdown()
     assert not list(tmp_path.iterdir())
 
+    monkeypatch.setenv(BOARD_DIR_ENV, str(tmp_path / "missing"))  # nowhere to post: served without a board
+    router, backend, _ = served("board-nowhere", board=True)
+    assert backend.board is None and router.loop.listeners == []
+    monkeypatch.setenv(BOARD_DIR_ENV, str(tmp_path))
+
     router, backend, app = served("board-off", board=False)
     with TestClient(app) as client:
         replicas(router, [400, 400])

@@ -30,6 +30,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 BOARD_DIR_ENV = "FORESPARK_BOARD_DIR"
 PREFIX = "forespark-board-"
@@ -85,7 +86,7 @@ def _write(buf: mmap.mmap, layout: struct.Struct, at: int, *fields) -> None:
 
 
 class Posted:
-    """An ingress's board (`AdmissionBoard.post` writes it)."""
+    """An ingress's board, as it writes it (`cluster.ingress.HandleBackend.post_board`)."""
 
     def __init__(self, deployment: str, api_key: str | None = None, directory: Path | None = None, node: str | None = None) -> None:
         self.path = (directory or board_dir()) / f"{PREFIX}{node or node_id()}-{deployment}-{os.getpid()}"
@@ -123,9 +124,10 @@ class Posted:
         self.path.unlink(missing_ok=True)
 
 
-class Refusal:
-    def __init__(self, status: int, retry_after_s: int, message: str) -> None:
-        self.status, self.retry_after_s, self.message = status, retry_after_s, message
+class Refusal(NamedTuple):
+    status: int
+    retry_after_s: int
+    message: str
 
 
 class Boards:

@@ -203,7 +203,7 @@ class HandleBackend:
     def _gated(self) -> Reply:
         GATED.inc()
         self.loop.decided(refused=True)
-        return self._refused(self.loop.gate.retry_after_s, "no replica can serve the request within its SLOs now", self.loop)
+        return self._refused(self.loop.gate.retry_after_s, GATE_MESSAGE, self.loop)
 
     def _overloaded(self) -> Reply:
         return self._refused(self.config.retry_after_s, "the server is at capacity; retry later")

@@ -26,6 +26,7 @@ import json
 import time
 
 from cluster.admission_board import Boards
+from replicas.openai_api import error_reply
 
 GATE_HEADER = "x-forespark-gate-ms"
 ANSWERED_HEADER = "x-forespark-refused-by"  # "proxy" on the refusals replayed here (`forespark overload` splits their times)
@@ -69,7 +70,7 @@ class ProxyGate:
             return False
         self.answered += 1
         error_type = "RateLimitError" if refusal.status == 429 else "ServiceUnavailableError"
-        body = json.dumps({"error": {"message": refusal.message, "type": error_type, "param": None, "code": refusal.status}}).encode()
+        body = json.dumps(error_reply(refusal.status, refusal.message, error_type).body).encode()
         await send({"type": "http.response.start", "status": refusal.status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"retry-after", str(refusal.retry_after_s).encode()), (ANSWERED_HEADER.encode(), b"proxy")]})

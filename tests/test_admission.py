@@ -334,9 +334,9 @@ def test_a_replica_proves_the_levels_its_requests_lived_through_and_a_miss_takes
     assert loop.proven_levels(["r"])[0] == 21.0
     loop.forget("r")
     assert np.isnan(loop.proven_levels(["r"])[0])
-    # A stricter proof: a request at 19 ms of its 20 ms SLO proves its level only where that is within the share.
+    # A request at 19 ms of its 20 ms SLO proves its level only where that is within the measured share (0.9).
     for share, proven in ((1.0, 6.0), (0.9, 0.0)):
-        strict = AdmissionLoop(CONFIG.model_copy(update={"proven_tpot_share": share}))
+        strict = AdmissionLoop(CONFIG.model_copy(update={"measured_tpot_share": share}))
         strict.routed(0, "r", 100.0, 10.0, now=0.0, level=6.0, tpot_slo_ms=20.0)
         strict.finished(0, 100.0, 19.0, now=1.0, tokens=32)
         assert strict.proven_levels(["r"])[0] == proven, share
@@ -353,7 +353,11 @@ def test_a_replica_whose_streams_run_over_the_tpot_slo_now_takes_no_request():
     assert np.isnan(loop.live_tpot(["r", "other"], now=2.3)[1])
     assert np.isnan(loop.live_tpot(["r"], now=3.0)[0])  # past the window: nothing measured
     assert one(stats(4)).admit and not one(stats(4), live=np.array([25.0])).admit
-    assert one(stats(4), live=np.array([19.0])).admit and one(stats(4), live=np.array([np.nan])).admit
+    assert one(stats(4), live=np.array([17.0])).admit and one(stats(4), live=np.array([np.nan])).admit
+    assert not one(stats(4), live=np.array([19.0])).admit  # over the measured share (0.9) of its 20 ms SLO
+    assert one(stats(4), live=np.array([19.0]), config=CONFIG.model_copy(update={"measured_tpot_share": 1.0})).admit
+    # Measured, not forecast: the forecast's margin (0.75 of the SLO: 15 ms) does not apply to it.
+    assert one(stats(4), live=np.array([17.0]), config=CONFIG.model_copy(update={"tpot_share": 0.75})).admit
     assert not one(stats(4), live=np.array([25.0]), proven=np.array([10.0])).admit  # measured levels or not
     # Without a measured tokens-per-chunk, chunks say nothing of tokens: nothing is measured.
     fresh = AdmissionLoop(CONFIG)

@@ -248,7 +248,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def cmd_overload(args: argparse.Namespace) -> int:
     from loadtest.capacity import capacity, format_probe
-    from loadtest.overload import OverloadResult, format_overload, off_row_from, run_row, with_off
+    from loadtest.overload import format_overload, measure_overload, off_row_from, with_off
 
     if args.refusal_cpu:
         return _refusal_cpu(args)
@@ -256,6 +256,9 @@ def cmd_overload(args: argparse.Namespace) -> int:
         multiples = [float(m) for m in args.multiples.split(",") if m]
     except ValueError:
         print(f"forespark overload: --multiples must be numbers, got {args.multiples!r}", file=sys.stderr)
+        return 2
+    if args.warmup < 0:
+        print("forespark overload: --warmup must be >= 0", file=sys.stderr)
         return 2
     if (inputs := _load_inputs(args, args.url, args.capacity or args.start_rate)) is None:
         return 2
@@ -272,13 +275,8 @@ def cmd_overload(args: argparse.Namespace) -> int:
         rate = found.max_rate
     if args.off_json and 1.0 not in multiples:
         multiples.insert(0, 1.0)
-    result, rc = OverloadResult(capacity=rate, rows=[run_row(base, slo, m, rate) for m in multiples]), 0
-    if args.off_url:
-        off = run_row(base.model_copy(update={"url": args.off_url.rstrip("/")}), slo, 1.0, rate, label="off-")
-        if not any(r.multiple == 1.0 for r in result.rows):
-            result.rows.insert(0, run_row(base, slo, 1.0, rate))
-        result = with_off(result, off, "same run")
-    elif off_earlier is not None:
+    result, rc = measure_overload(base, slo, multiples, rate, args.warmup, args.off_url), 0
+    if off_earlier is not None:
         try:
             result = with_off(result, off_earlier, args.off_json)
         except ValueError as e:  # the rows measured here are still written
@@ -708,6 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--off-url", help="the same application with admission off: its 1x load runs too, for admission's cost")
     off.add_argument("--off-json", metavar="PATH", help="admission's cost against the 1x row of an earlier run on the "
                      "admission-off server, where both cannot run at once (same --seed; --capacity defaults to that run's)")
+    over.add_argument("--warmup", type=float, default=10.0, help="seconds of load at 1x before the rows, not counted "
+                      "(each server's; default 10, 0: none)")
     over.add_argument("--start-rate", type=float, default=8.0)
     over.add_argument("--bisect-steps", type=int, default=3)
     over.add_argument("--refusal-cpu", action="store_true", help="instead: measure the host CPU one refused request "

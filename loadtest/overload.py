@@ -22,12 +22,20 @@ is 1 - goodput(on) / goodput(off). Where two servers cannot run side by side
 1x row of an earlier run against the admission-off server instead (same
 capacity, same seed, so the same arrival schedule); `off_source` then names
 that file, so the JSON says that the two were measured one after the other.
+
+Each server first gets `--warmup` seconds (10) of load at 1x, not counted:
+the first seconds after a start miss SLOs for reasons admission does not own
+(first touches of the KV cache, the engines' and the router's first
+measurements), and they fell on the 1x row, whichever server it was (an
+admission-off server run cold attained 63% at a rate where, warm, it attained
+97-100%). The warm-up's own row is kept in the JSON (`warmup`, `off_warmup`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +70,8 @@ class OverloadResult(BaseModel):
     off_1x: OverloadRow | None = None
     admission_cost_1x: float | None = None
     off_source: str | None = None  # "same run" (--off-url) or the JSON of a separate run (--off-json)
+    warmup: OverloadRow | None = None  # the warm-up before the rows, not counted in them
+    off_warmup: OverloadRow | None = None  # the admission-off server's (--off-url)
 
 
 def with_off(result: OverloadResult, off: OverloadRow, source: str) -> OverloadResult:
@@ -129,6 +139,38 @@ def run_row(base: LoadTestConfig, slo: SLOConfig, multiple: float, capacity: flo
     return row.model_copy(update={"host_busy_cores": cores})
 
 
+RunRow = Callable[..., OverloadRow]
+
+
+def measure_overload(
+    base: LoadTestConfig,
+    slo: SLOConfig,
+    multiples: list[float],
+    rate: float,
+    warmup_s: float = 10.0,
+    off_url: str | None = None,
+    run: RunRow = run_row,
+) -> OverloadResult:
+    """One row per multiple of `rate` after `warmup_s` of load at `rate` that is not counted (its row is kept
+    apart); with `off_url`, then a warm-up and a 1x row on the admission-off server, and admission's cost."""
+
+    def warm(config: LoadTestConfig, label: str) -> OverloadRow | None:
+        if warmup_s <= 0:
+            return None
+        return run(config.model_copy(update={"duration_s": warmup_s, "seed": config.seed + 1}), slo, 1.0, rate, label=label)
+
+    warmed = warm(base, "warm-")
+    result = OverloadResult(capacity=rate, rows=[run(base, slo, m, rate) for m in multiples], warmup=warmed)
+    if off_url:
+        off_base = base.model_copy(update={"url": off_url.rstrip("/")})
+        off_warmed = warm(off_base, "off-warm-")
+        off = run(off_base, slo, 1.0, rate, label="off-")
+        if not any(r.multiple == 1.0 for r in result.rows):
+            result.rows.insert(0, run(base, slo, 1.0, rate))
+        result = with_off(result, off, "same run").model_copy(update={"off_warmup": off_warmed})
+    return result
+
+
 def format_overload(result: OverloadResult) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
@@ -145,6 +187,10 @@ def format_overload(result: OverloadResult) -> str:
             f" {f(r.refused_in_proxy_share, '8.1%')} {f(r.reject_p99_ms_proxy, '9.0f')} {f(r.reject_p99_ms_ingress, '11.0f')}"
             f" {f(r.host_busy_cores, '10.2f')}"
         )
+    if result.warmup is not None:
+        w = result.warmup
+        lines.append(f"warm-up, not counted: {w.rate:g} req/s, attainment {f(w.attainment_admitted, '.1%')} of admitted, "
+                     f"{w.rejected_share:.1%} refused")
     if result.admission_cost_1x is not None:
         lines.append(f"admission cost at 1x: {result.admission_cost_1x:.1%} of goodput (target <= 3%)"
                      + (f"; off measured in {result.off_source}" if result.off_source and result.off_source != "same run" else ""))

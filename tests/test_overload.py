@@ -74,3 +74,28 @@ def test_host_busy_time_is_read_from_proc_stat_without_idle_and_io_wait(tmp_path
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 10 50 800 40 5 5 0 0 0\ncpu0 50 5 25 400 20 2 3 0 0 0\n")
     assert busy_seconds(stat) == (100 + 10 + 50 + 5 + 5) / os.sysconf("SC_CLK_TCK")
+
+
+def test_each_server_is_warmed_at_1x_before_its_rows_and_the_warm_up_is_not_counted():
+    from loadtest.config import LoadTestConfig, SLOConfig
+    from loadtest.overload import OverloadRow, measure_overload
+
+    calls = []
+
+    def run(config, slo, multiple, rate, label=""):
+        calls.append((label, config.url, multiple, config.duration_s, config.seed))
+        goodput = 1.0 if label.endswith("warm-") else multiple * rate  # a cold server misses; the rows do not
+        return OverloadRow(multiple=multiple, rate=multiple * rate, goodput=goodput, attainment_admitted=1.0,
+                           rejected_share=0.0, reject_p99_ms=None, errors_5xx=0)
+
+    base = LoadTestConfig(url="http://on", rate=5.0, duration_s=30.0, seed=7)
+    result = measure_overload(base, SLOConfig(), [1.0, 2.0], 5.0, warmup_s=10.0, off_url="http://off/", run=run)
+    assert calls == [("warm-", "http://on", 1.0, 10.0, 8), ("", "http://on", 1.0, 30.0, 7), ("", "http://on", 2.0, 30.0, 7),
+                     ("off-warm-", "http://off", 1.0, 10.0, 8), ("off-", "http://off", 1.0, 30.0, 7)]
+    assert [r.goodput for r in result.rows] == [5.0, 10.0] and result.admission_cost_1x == 0.0
+    assert result.warmup.goodput == 1.0 and result.off_warmup.goodput == 1.0
+    assert "warm-up, not counted" in format_overload(result)
+    # Control: without a warm-up the first row is the cold one.
+    calls.clear()
+    cold = measure_overload(base, SLOConfig(), [1.0], 5.0, warmup_s=0.0, run=run)
+    assert [c[0] for c in calls] == [""] and cold.warmup is None

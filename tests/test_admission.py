@@ -398,6 +398,37 @@ def test_a_request_refused_only_for_its_tpot_waits_to_be_decided_again_within_it
     assert not AdmissionLoop(config.model_copy(update={"hold_ms": 0.0})).hold("a", tpot_only, 0.0, 2, now=0.0)
 
 
+def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst():
+    config = CONFIG.model_copy(update={"pace_window_s": 1.0, "pace_burst": 2.0, "pace_refused_share": 0.25})
+    loop = AdmissionLoop(config)
+    view, rate = FleetArrays([stats(4)]), np.array([3.0])  # 3 completions/s measured: 5 placements a second at most
+
+    def place(n, at):
+        for k in range(n):
+            decision, _ = loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=at, replicas=["r"])
+            assert decision.admit, k
+            loop.routed(loop.ticket(), "r", 100.0, 10.0, now=at, level=4.0)
+
+    for _ in range(config.feedback_window):
+        loop.decided(refused=True)  # overload: every recent request refused
+    place(5, at=0.0)
+    paced, _ = loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=0.5, replicas=["r"])
+    assert not paced.admit and paced.full and paced.waitable  # nothing else keeps it out
+    assert loop.decide(view, np.zeros(1), 1.0, 20.0, np.array([4.0]), config, now=0.5, replicas=["r"])[0].admit  # faster
+    assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=1.01, replicas=["r"])[0].admit  # window passed
+    # Control: without overload (few recent refusals) the same placements are not paced.
+    for _ in range(config.feedback_window):
+        loop.decided(refused=False)
+    place(5, at=2.0)
+    assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=2.5, replicas=["r"])[0].admit
+    unpaced = AdmissionLoop(config.model_copy(update={"pace_window_s": 0.0}))
+    for _ in range(config.feedback_window):
+        unpaced.decided(refused=True)
+    for _ in range(10):
+        unpaced.routed(unpaced.ticket(), "r", 100.0, 10.0, now=0.0, level=4.0)
+    assert unpaced.decide(view, np.zeros(1), 1.0, 20.0, rate, unpaced.config, now=0.5, replicas=["r"])[0].admit
+
+
 def test_the_admission_trace_joins_each_requests_prediction_to_its_measurement(tmp_path, monkeypatch):
     import json
 

@@ -148,6 +148,8 @@ class AdmissionConfig(BaseModel):
                                  "no more requests over this last window than it completes in as long (its measured "
                                  "rate) plus `pace_burst` (0: not paced)")
     pace_burst: float = Field(default=2.0, ge=0, description="requests a paced replica may take past its completions")
+    pace_growth: float = Field(default=0.25, ge=0, description="and this share of them: paced to its completions alone, "
+                               "a replica that lost requests (a stall) could take back no more than the burst a window")
     pace_refused_share: float = Field(default=0.25, ge=0, lt=1, description="replicas are paced while more than this "
                                       "share of the last `feedback_window` decided were refused (the proxy's included)")
     hold_ms: float = Field(default=300.0, ge=0, description="a request refused only for its TPOT (its TTFT fits a "
@@ -277,7 +279,7 @@ def decide(
     live_limit = np.minimum(app_live_limit, slo.tpot_ms * config.measured_tpot_share) if slo and slo.tpot_ms else app_live_limit
     # Under overload a replica takes what it completes: a burst admitted at once into a replica below its limit
     # ran together over its TPOT (at 4x, traced: 2 s windows of 35-62 admitted, most missing, against 20-30).
-    paced = np.zeros(len(level), dtype=bool) if taken is None else taken >= drain_rate * config.pace_window_s + config.pace_burst
+    paced = np.zeros(len(level), dtype=bool) if taken is None else taken >= drain_rate * config.pace_window_s * (1.0 + config.pace_growth) + config.pace_burst
     feasible = (ttft <= ttft_slo) & ((tpot <= tpot_slo) | measured) & ~(live > live_limit) & ~paced
     if config.trust is not None and proven is not None:
         bound = np.nan_to_num(proven * (1.0 + config.trust) + 1.0, nan=0.0)

@@ -399,7 +399,7 @@ def test_a_request_refused_only_for_its_tpot_waits_to_be_decided_again_within_it
 
 
 def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst():
-    config = CONFIG.model_copy(update={"pace_window_s": 1.0, "pace_burst": 2.0, "pace_refused_share": 0.25})
+    config = CONFIG.model_copy(update={"pace_window_s": 1.0, "pace_burst": 2.0, "pace_growth": 0.0, "pace_refused_share": 0.25})
     loop = AdmissionLoop(config)
     view, rate = FleetArrays([stats(4)]), np.array([3.0])  # 3 completions/s measured: 5 placements a second at most
 
@@ -416,6 +416,8 @@ def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst()
     assert not paced.admit and paced.full and paced.waitable  # nothing else keeps it out
     assert loop.decide(view, np.zeros(1), 1.0, 20.0, np.array([4.0]), config, now=0.5, replicas=["r"])[0].admit  # faster
     assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=1.01, replicas=["r"])[0].admit  # window passed
+    grows = config.model_copy(update={"pace_growth": 0.5})  # 3 x 1.5 + 2: a sixth placement in the window
+    assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, grows, now=0.5, replicas=["r"])[0].admit
     # Control: without overload (few recent refusals) the same placements are not paced.
     for _ in range(config.feedback_window):
         loop.decided(refused=False)

@@ -152,6 +152,9 @@ class AdmissionConfig(BaseModel):
                                "a replica that lost requests (a stall) could take back no more than the burst a window")
     pace_refused_share: float = Field(default=0.25, ge=0, lt=1, description="replicas are paced while more than this "
                                       "share of the last `feedback_window` decided were refused (the proxy's included)")
+    pace_demand: float = Field(default=1.5, ge=0, description="and while requests arrive (admitted or refused, over the "
+                               "last 5 s) at more than this times the fleet's completions: refusals alone, pacing's own "
+                               "included, kept a fleet at its sustainable rate paced")
     hold_ms: float = Field(default=300.0, ge=0, description="a request refused only for its TPOT (its TTFT fits a "
                            "replica) waits in the router's queue up to this long, decided again at each routing attempt, "
                            "before it is refused (0: refused at once)")
@@ -234,11 +237,13 @@ def decide(
     missed: np.ndarray | None = None,
     live: np.ndarray | None = None,
     taken: np.ndarray | None = None,
+    demand: float = math.inf,
 ) -> Decision:
     """Admission over one fleet view: `drain_rate` is each replica's measured completions per second;
     `corrections` (`SLOFeedback.corrections`) are applied to the predictions (None: the model alone);
     `proven`, `missed` and `live`: what `AdmissionLoop._measured` finds of each replica (None: the model alone);
-    `taken`: each replica's admissions over the last `pace_window_s`, where they are paced (None: not paced)."""
+    `taken`: each replica's admissions over the last `pace_window_s`, where they are paced (None: not paced), while
+    `demand` (requests arriving per second) exceeds `pace_demand` times the fleet's completions."""
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room)
     ttft_slo = min(config.ttft_ms, slo.ttft_ms) if slo and slo.ttft_ms else config.ttft_ms
@@ -279,7 +284,9 @@ def decide(
     live_limit = np.minimum(app_live_limit, slo.tpot_ms * config.measured_tpot_share) if slo and slo.tpot_ms else app_live_limit
     # Under overload a replica takes what it completes: a burst admitted at once into a replica below its limit
     # ran together over its TPOT (at 4x, traced: 2 s windows of 35-62 admitted, most missing, against 20-30).
-    paced = np.zeros(len(level), dtype=bool) if taken is None else taken >= drain_rate * config.pace_window_s * (1.0 + config.pace_growth) + config.pace_burst
+    paced = np.zeros(len(level), dtype=bool)
+    if taken is not None and demand > config.pace_demand * float(np.sum(drain_rate)):
+        paced = taken >= drain_rate * config.pace_window_s * (1.0 + config.pace_growth) + config.pace_burst
     feasible = (ttft <= ttft_slo) & ((tpot <= tpot_slo) | measured) & ~(live > live_limit) & ~paced
     if config.trust is not None and proven is not None:
         bound = np.nan_to_num(proven * (1.0 + config.trust) + 1.0, nan=0.0)
@@ -449,6 +456,7 @@ class AdmissionGate:
         return max(self.closed_until - (time.monotonic() if now is None else now), 0.0)
 
 
+DEMAND_WINDOW_S = 5.0  # as `DrainMeter`'s: arrivals and completions over the same span
 MAX_PENDING = 4096  # tickets whose predictions are kept at most (requests the ingress never reported are let go)
 
 
@@ -482,6 +490,8 @@ class AdmissionLoop:
         self._held: dict[Hashable, float] = {}  # request -> when it was first held (`hold`)
         self._taken: dict[Hashable, deque[float]] = {}  # replica -> when its requests of the last `pace_window_s` were placed
         self._refused: deque[bool] = deque(maxlen=max(config.feedback_window, 1))  # the last decided: refused?
+        self._arrivals: deque[tuple[float, int]] = deque()  # (when, how many) decided over the last DEMAND_WINDOW_S
+        self._arrived = 0
         self.listeners: list[Callable[[], None]] = []  # told when a request is placed or completes (`changed`)
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
@@ -510,7 +520,7 @@ class AdmissionLoop:
         if replicas is not None:
             kwargs.update(zip(("proven", "missed", "live"), self._measured(replicas, now)))
             if self.config.pace_window_s > 0 and self._refused_share() > self.config.pace_refused_share:
-                kwargs["taken"] = self._taken_recently(replicas, now)
+                kwargs.update(taken=self._taken_recently(replicas, now), demand=self.demand(now))
         decision = decide(*args, corrections=corrections, **kwargs)
         if not decision.admit and corrections != Corrections() and now - self.last_admitted >= self.config.probe_s:
             probe = decide(*args, **kwargs)
@@ -583,9 +593,19 @@ class AdmissionLoop:
         for listener in self.listeners:
             listener()
 
-    def decided(self, refused: bool) -> None:
-        """A request was admitted or refused for good (not held)."""
-        self._refused.append(refused)
+    def decided(self, refused: bool, count: int = 1, now: float | None = None) -> None:
+        """`count` requests were admitted or refused for good (not held)."""
+        self._refused.extend([refused] * min(count, self._refused.maxlen or 1))
+        now = time.monotonic() if now is None else now
+        self._arrivals.append((now, count))
+        self._arrived += count
+        self.demand(now)
+
+    def demand(self, now: float) -> float:
+        """Requests decided per second over the last `DEMAND_WINDOW_S` (what arrives, admitted or not)."""
+        while self._arrivals and self._arrivals[0][0] < now - DEMAND_WINDOW_S:
+            self._arrived -= self._arrivals.popleft()[1]
+        return self._arrived / DEMAND_WINDOW_S
 
     def routed(self, ticket: int, replica: Hashable, ttft_ms: float, tpot_ms: float, now: float | None = None,
                level: float | None = None, tpot_slo_ms: float | None = None) -> None:

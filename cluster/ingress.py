@@ -159,8 +159,7 @@ class HandleBackend:
         answered = board.counted()
         if answered:
             BOARD.inc(answered)
-            for _ in range(min(answered, loop.config.feedback_window)):
-                loop.decided(refused=True)
+            loop.decided(refused=True, count=answered)
         status, now = self.config.overload_status, time.monotonic()
         if loop.gate.closed(now):
             board.refuse(min(loop.gate.closed_until, now + TTL_S), status, loop.gate.retry_after_s, GATE_MESSAGE)

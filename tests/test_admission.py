@@ -399,36 +399,37 @@ def test_a_request_refused_only_for_its_tpot_waits_to_be_decided_again_within_it
 
 
 def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst():
-    config = CONFIG.model_copy(update={"pace_window_s": 1.0, "pace_burst": 2.0, "pace_growth": 0.0, "pace_refused_share": 0.25})
-    loop = AdmissionLoop(config)
+    config = CONFIG.model_copy(update={"pace_window_s": 1.0, "pace_burst": 2.0, "pace_growth": 0.0,
+                                       "pace_refused_share": 0.25, "pace_demand": 1.5})
     view, rate = FleetArrays([stats(4)]), np.array([3.0])  # 3 completions/s measured: 5 placements a second at most
 
-    def place(n, at):
+    def decide(loop, at, rate=rate, config=config):
+        return loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=at, replicas=["r"])[0]
+
+    def place(loop, n, at):
         for k in range(n):
-            decision, _ = loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=at, replicas=["r"])
-            assert decision.admit, k
+            assert decide(loop, at).admit, k
             loop.routed(loop.ticket(), "r", 100.0, 10.0, now=at, level=4.0)
 
-    for _ in range(config.feedback_window):
-        loop.decided(refused=True)  # overload: every recent request refused
-    place(5, at=0.0)
-    paced, _ = loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=0.5, replicas=["r"])
+    loop = AdmissionLoop(config)
+    loop.decided(refused=True, count=32, now=0.0)  # overload: 32 refused in the last 5 s, 6.4/s against 3 completed
+    place(loop, 5, at=0.0)
+    paced = decide(loop, 0.5)
     assert not paced.admit and paced.full and paced.waitable  # nothing else keeps it out
-    assert loop.decide(view, np.zeros(1), 1.0, 20.0, np.array([4.0]), config, now=0.5, replicas=["r"])[0].admit  # faster
-    assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=1.01, replicas=["r"])[0].admit  # window passed
-    grows = config.model_copy(update={"pace_growth": 0.5})  # 3 x 1.5 + 2: a sixth placement in the window
-    assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, grows, now=0.5, replicas=["r"])[0].admit
-    # Control: without overload (few recent refusals) the same placements are not paced.
-    for _ in range(config.feedback_window):
-        loop.decided(refused=False)
-    place(5, at=2.0)
-    assert loop.decide(view, np.zeros(1), 1.0, 20.0, rate, config, now=2.5, replicas=["r"])[0].admit
+    assert decide(loop, 0.5, rate=np.array([4.0])).admit  # a replica that completes more takes more
+    assert decide(loop, 1.01).admit  # the window passed
+    assert decide(loop, 0.5, config=config.model_copy(update={"pace_growth": 0.5})).admit  # 3 x 1.5 + 2: a sixth
+    # Controls. Few recent refusals: the same placements are not paced.
+    calm = AdmissionLoop(config)
+    calm.decided(refused=False, count=32, now=0.0)
+    place(calm, 6, at=0.0)
+    # Refusals, but requests arrive no faster than the fleet completes them (a sustainable load's bursts): not paced.
+    edge = AdmissionLoop(config)
+    edge.decided(refused=True, count=20, now=0.0)  # 4/s against 3 completed: under 1.5 times
+    place(edge, 6, at=0.0)
     unpaced = AdmissionLoop(config.model_copy(update={"pace_window_s": 0.0}))
-    for _ in range(config.feedback_window):
-        unpaced.decided(refused=True)
-    for _ in range(10):
-        unpaced.routed(unpaced.ticket(), "r", 100.0, 10.0, now=0.0, level=4.0)
-    assert unpaced.decide(view, np.zeros(1), 1.0, 20.0, rate, unpaced.config, now=0.5, replicas=["r"])[0].admit
+    unpaced.decided(refused=True, count=32, now=0.0)
+    place(unpaced, 6, at=0.0)
 
 
 def test_the_admission_trace_joins_each_requests_prediction_to_its_measurement(tmp_path, monkeypatch):

@@ -275,7 +275,7 @@ class Fleet:
         waited_ms = (now - r.arrival_s) * 1000.0
         if self.loop is not None and waited_ms == 0.0 and self.loop.gate.closed(now):  # (a waiting request passed it)
             self.decisions["gated"] += 1
-            self.loop.decided(refused=True)
+            self.loop.decided(refused=True, now=now)
             return "refused"
         if self.config.router in ("lor", "pow2") or self.arrays is None:
             if not free.any():
@@ -308,14 +308,14 @@ class Fleet:
             if self.loop.hold(r.id, decided.decision, waited_ms, len(ids), now):
                 self.decisions["held"] += 1
                 return None
-            self.loop.decided(refused=True)
+            self.loop.decided(refused=True, now=now)
             self.decisions["refused"] += 1
             if decided.decision.full:
                 self.loop.gate.refused_full(admission.gate_s, decided.decision.retry_after_s, now)
             return "refused"
         if decided.decision is not None:
             self.loop.release(r.id)
-            self.loop.decided(refused=False)
+            self.loop.decided(refused=False, now=now)
             self.loop.gate.admitted()
         self.decisions["ranked"] += 1
         order = serving[decided.order]  # positions in `arrays` to replica indices

@@ -152,7 +152,7 @@ class AdmissionConfig(BaseModel):
                                "a replica that lost requests (a stall) could take back no more than the burst a window")
     pace_refused_share: float = Field(default=0.25, ge=0, lt=1, description="replicas are paced while more than this "
                                       "share of the last `feedback_window` decided were refused (the proxy's included)")
-    pace_demand: float = Field(default=1.5, ge=0, description="and while requests arrive (admitted or refused, over the "
+    pace_demand: float = Field(default=2.0, ge=0, description="and while requests arrive (admitted or refused, over the "
                                "last 5 s) at more than this times the fleet's completions: refusals alone, pacing's own "
                                "included, kept a fleet at its sustainable rate paced")
     hold_ms: float = Field(default=300.0, ge=0, description="a request refused only for its TPOT (its TTFT fits a "
@@ -535,7 +535,9 @@ class AdmissionLoop:
                           "ttfts": decision.ttft_ms.round(1).tolist(), "tpots": decision.tpot_ms.round(2).tolist(),
                           "levels": None if decision.level is None else decision.level.tolist(),
                           "proven": None if kwargs.get("proven") is None else kwargs["proven"].tolist(),
-                          "live": None if kwargs.get("live") is None else np.round(kwargs["live"], 2).tolist()}))
+                          "live": None if kwargs.get("live") is None else np.round(kwargs["live"], 2).tolist(),
+                          "taken": None if kwargs.get("taken") is None else kwargs["taken"].tolist(),
+                          "demand": kwargs.get("demand"), "drain": np.round(args[4], 2).tolist()}))
         return decision, corrections
 
     def _taken_recently(self, replicas: list, now: float) -> np.ndarray:

@@ -74,7 +74,12 @@ alternated between bursts that missed together and spells that refused nearly
 everything. And a replica whose streams, as the ingress relays them, ran over
 the TPOT limit in the last `live_window_s` takes no request: one more only slows
 them further, and the live measurement sees a host that slowed down a request's
-life before the outcomes do.
+life before the outcomes do. Measured TPOTs (live, or proving a level) pass within
+`measured_tpot_share` of the SLO: proven at the SLO itself, a level is one where
+about half the requests miss. Under overload (refusals, and arrivals at
+`pace_demand` times the completions) each replica is paced to what it completes
+(`pace_*`): a replica drained below its proven level was otherwise refilled at
+the arrival rate, and the burst missed together.
 
 `AdmissionGate` refuses at the ingress, before the handle is called, while
 the router's last two decisions were refusals for a full fleet (no replica's TPOT

@@ -494,6 +494,7 @@ class AdmissionLoop:
         self._per_chunk: dict[Hashable, float] = {}  # replica -> tokens per relayed chunk over those
         self._held: dict[Hashable, float] = {}  # request -> when it was first held (`hold`)
         self._taken: dict[Hashable, deque[float]] = {}  # replica -> when its requests of the last `pace_window_s` were placed
+        self._first_placed: dict[Hashable, float] = {}  # replica -> when a request was first placed there
         self._refused: deque[bool] = deque(maxlen=max(config.feedback_window, 1))  # the last decided: refused?
         self._arrivals: deque[tuple[float, int]] = deque()  # (when, how many) decided over the last DEMAND_WINDOW_S
         self._arrived = 0
@@ -546,9 +547,15 @@ class AdmissionLoop:
         return decision, corrections
 
     def _taken_recently(self, replicas: list, now: float) -> np.ndarray:
-        """Per replica, the requests placed there over the last `pace_window_s`."""
+        """Per replica, the requests placed there over the last `pace_window_s`; NaN (not paced) until a request was
+        placed there `DEMAND_WINDOW_S` ago: before that its completion rate is measured over part of its window, too
+        low (a cold fleet under overload, or a replica just added, would be held to a trickle)."""
         out = np.zeros(len(replicas))
         for i, r in enumerate(replicas):
+            first = self._first_placed.get(r)
+            if first is None or now - first < DEMAND_WINDOW_S:
+                out[i] = np.nan
+                continue
             marks = self._taken.get(r)
             while marks and marks[0] < now - self.config.pace_window_s:
                 marks.popleft()
@@ -622,6 +629,7 @@ class AdmissionLoop:
         self._forecasts.setdefault(replica, deque(maxlen=MAX_PENDING)).append((now, tpot_ms, math.nan if level is None else level))
         self._routed[ticket] = (replica, ttft_ms, now, level, tpot_slo_ms)
         if self.config.pace_window_s > 0:
+            self._first_placed.setdefault(replica, now)
             marks = self._taken.setdefault(replica, deque())
             marks.append(now)
             while marks[0] < now - self.config.pace_window_s:
@@ -739,6 +747,7 @@ class AdmissionLoop:
         self._chunking.pop(replica, None)
         self._per_chunk.pop(replica, None)
         self._taken.pop(replica, None)
+        self._first_placed.pop(replica, None)
 
 
 class _Window:

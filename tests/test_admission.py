@@ -411,7 +411,13 @@ def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst()
             assert decide(loop, at).admit, k
             loop.routed(loop.ticket(), "r", 100.0, 10.0, now=at, level=4.0)
 
-    loop = AdmissionLoop(config)
+    def measured(config=config):
+        """A loop that placed a request on "r" long enough ago for its completions to be measured."""
+        loop = AdmissionLoop(config)
+        loop.routed(loop.ticket(), "r", 100.0, 10.0, now=-10.0, level=4.0)
+        return loop
+
+    loop = measured()
     loop.decided(refused=True, count=32, now=0.0)  # overload: 32 refused in the last 5 s, 6.4/s against 3 completed
     place(loop, 5, at=0.0)
     paced = decide(loop, 0.5)
@@ -420,14 +426,18 @@ def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst()
     assert decide(loop, 1.01).admit  # the window passed
     assert decide(loop, 0.5, config=config.model_copy(update={"pace_growth": 0.5})).admit  # 3 x 1.5 + 2: a sixth
     # Controls. Few recent refusals: the same placements are not paced.
-    calm = AdmissionLoop(config)
+    calm = measured()
     calm.decided(refused=False, count=32, now=0.0)
     place(calm, 6, at=0.0)
     # Refusals, but requests arrive no faster than the fleet completes them (a sustainable load's bursts): not paced.
-    edge = AdmissionLoop(config)
+    edge = measured()
     edge.decided(refused=True, count=20, now=0.0)  # 4/s against 3 completed: under 1.5 times
     place(edge, 6, at=0.0)
-    unpaced = AdmissionLoop(config.model_copy(update={"pace_window_s": 0.0}))
+    # A replica first placed on under 5 s ago: its completions were measured over part of the window, not paced.
+    fresh = AdmissionLoop(config)
+    fresh.decided(refused=True, count=32, now=0.0)
+    place(fresh, 6, at=0.0)
+    unpaced = measured(config.model_copy(update={"pace_window_s": 0.0}))
     unpaced.decided(refused=True, count=32, now=0.0)
     place(unpaced, 6, at=0.0)
 

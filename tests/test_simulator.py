@@ -97,7 +97,7 @@ def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with
     its capacity: admission on predictions and their measured errors alone admits bursts whose requests miss
     together (the engines slow down with the host's load, which the predictions see only when measured); bounding
     each replica's requests in flight by what was measured to meet the SLOs keeps them (`AdmissionConfig.trust`,
-    `admit_proven`, `live_window_s`)."""
+    `admit_proven`, `live_window_s`, `pace_window_s`)."""
     from pathlib import Path
 
     from cluster.sim.fleet import HostModel
@@ -120,8 +120,9 @@ def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with
     assert trusting.rows[1].attainment_admitted >= 0.9 and trusting.rows[1].goodput >= 0.9 * trusting.rows[0].goodput
     assert trusting.admission_cost_1x <= 0.05
     # Control: predictions and their measured errors alone (nor the measured levels nor the streams' live TPOT, and
-    # no request held to be decided again: holding paces admissions too).
-    control = at_4x(base.admission.model_copy(update={"trust": None, "admit_proven": False, "live_window_s": 0.0, "hold_ms": 0.0}))
+    # no request held to be decided again or paced: holding paces admissions too).
+    control = at_4x(base.admission.model_copy(update={"trust": None, "admit_proven": False, "live_window_s": 0.0, "hold_ms": 0.0,
+                                                      "pace_window_s": 0.0}))
     assert control.rows[1].attainment_admitted < 0.85, control.rows[1]
 
 

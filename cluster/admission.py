@@ -146,10 +146,10 @@ class AdmissionConfig(BaseModel):
                                 "the proven level plus one (None: no bound)")
     trust_burst: float = Field(default=0.25, gt=0, le=1, description="the share of a replica's batch (max_num_seqs) the "
                                "forecast admits to while none of its recent requests missed their SLOs")
-    live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than the TPOT limit "
-                                 "(tpot_share of the SLO) per token over this last window, as the ingress relayed them, "
-                                 "takes no new request (0: not measured)")
-    pace_window_s: float = Field(default=1.0, ge=0, description="under overload (`pace_refused_share`), a replica takes "
+    live_window_s: float = Field(default=0.5, ge=0, description="a replica whose streams took more than "
+                                 "`measured_tpot_share` of the TPOT SLO per token over this last window, as the ingress "
+                                 "relayed them, takes no new request (0: not measured)")
+    pace_window_s: float = Field(default=1.0, ge=0, description="under overload (`pace_refused_share`, `pace_demand`), a replica takes "
                                  "no more requests over this last window than it completes in as long (its measured "
                                  "rate) plus `pace_burst` (0: not paced)")
     pace_burst: float = Field(default=2.0, ge=0, description="requests a paced replica may take past its completions")
@@ -158,8 +158,8 @@ class AdmissionConfig(BaseModel):
     pace_refused_share: float = Field(default=0.25, ge=0, lt=1, description="replicas are paced while more than this "
                                       "share of the last `feedback_window` decided were refused (the proxy's included)")
     pace_demand: float = Field(default=2.0, ge=0, description="and while requests arrive (admitted or refused, over the "
-                               "last 5 s) at more than this times the fleet's completions: refusals alone, pacing's own "
-                               "included, kept a fleet at its sustainable rate paced")
+                               "last 5 s) at more than this times the fleet's completions: at the sustainable rate refusals "
+                               "alone (for TPOT forecasts, and pacing's own) turned it on")
     hold_ms: float = Field(default=300.0, ge=0, description="a request refused only for its TPOT (its TTFT fits a "
                            "replica) waits in the router's queue up to this long, decided again at each routing attempt, "
                            "before it is refused (0: refused at once)")

@@ -274,8 +274,13 @@ def decide(
     # A request's own tighter SLO still holds as asked.
     alone = np.where(has_cost, np.maximum(f.base_step_ms + (1.0 - f.running) * f.base_request_ms, 0.0) * stretch, 0.0)
     floor = alone / config.tpot_share
-    app_limit = np.maximum(app_tpot_slo * config.tpot_share, floor)
-    tpot_slo = np.minimum(app_limit, slo.tpot_ms * config.tpot_share) if slo and slo.tpot_ms else app_limit
+
+    def limits(share: float) -> tuple[np.ndarray, np.ndarray]:
+        """TPOT limits at `share` of the SLO: the application's (at least the floor), and this request's."""
+        app = np.maximum(app_tpot_slo * share, floor)
+        return app, (np.minimum(app, slo.tpot_ms * share) if slo and slo.tpot_ms else app)
+
+    app_limit, tpot_slo = limits(config.tpot_share)
     level = f.load + fc.n_new
     # The application's SLO was measured to hold at this level (a request's own tighter one is left to the forecast).
     measured = np.zeros(len(level), dtype=bool)
@@ -285,8 +290,7 @@ def decide(
     request_tpot_slo = np.minimum(app_tpot_slo, slo.tpot_ms) if slo and slo.tpot_ms else app_tpot_slo
     # A live TPOT is measured, HTTP stack included: it is held to the measured share, not the forecast's margin
     # (at the sustainable rate a fifth of the requests ran over the forecast's 15 ms and none over 20).
-    app_live_limit = np.maximum(app_tpot_slo * config.measured_tpot_share, floor)
-    live_limit = np.minimum(app_live_limit, slo.tpot_ms * config.measured_tpot_share) if slo and slo.tpot_ms else app_live_limit
+    app_live_limit, live_limit = limits(config.measured_tpot_share)
     # Under overload a replica takes what it completes: a burst admitted at once into a replica below its limit
     # ran together over its TPOT (at 4x, traced: 2 s windows of 35-62 admitted, most missing, against 20-30).
     paced = np.zeros(len(level), dtype=bool)
@@ -543,7 +547,8 @@ class AdmissionLoop:
                           "proven": None if kwargs.get("proven") is None else kwargs["proven"].tolist(),
                           "live": None if kwargs.get("live") is None else np.round(kwargs["live"], 2).tolist(),
                           "taken": None if kwargs.get("taken") is None else kwargs["taken"].tolist(),
-                          "demand": kwargs.get("demand"), "drain": np.round(args[4], 2).tolist()}))
+                          "demand": kwargs.get("demand"),
+                          "drain": np.round(kwargs.get("drain_rate", args[4] if len(args) > 4 else np.nan), 2).tolist()}))
         return decision, corrections
 
     def _taken_recently(self, replicas: list, now: float) -> np.ndarray:
@@ -556,11 +561,15 @@ class AdmissionLoop:
             if first is None or now - first < DEMAND_WINDOW_S:
                 out[i] = np.nan
                 continue
-            marks = self._taken.get(r)
-            while marks and marks[0] < now - self.config.pace_window_s:
-                marks.popleft()
-            out[i] = len(marks) if marks else 0
+            out[i] = len(self._recent(r, now))
         return out
+
+    def _recent(self, replica: Hashable, now: float) -> deque[float]:
+        """When the requests placed on `replica` over the last `pace_window_s` were placed."""
+        marks = self._taken.setdefault(replica, deque())
+        while marks and marks[0] < now - self.config.pace_window_s:
+            marks.popleft()
+        return marks
 
     def hold(self, key: Hashable, decision: Decision, waited_ms: float, replicas: int, now: float | None = None) -> bool:
         """Whether the refused request `key` waits in the router's queue to be decided again (True) rather than be
@@ -613,7 +622,7 @@ class AdmissionLoop:
         now = time.monotonic() if now is None else now
         self._arrivals.append((now, count))
         self._arrived += count
-        self.demand(now)
+        self.demand(now)  # (trims the window, so it stays bounded where pacing never asks)
 
     def demand(self, now: float) -> float:
         """Requests decided per second over the last `DEMAND_WINDOW_S` (what arrives, admitted or not)."""
@@ -630,10 +639,7 @@ class AdmissionLoop:
         self._routed[ticket] = (replica, ttft_ms, now, level, tpot_slo_ms)
         if self.config.pace_window_s > 0:
             self._first_placed.setdefault(replica, now)
-            marks = self._taken.setdefault(replica, deque())
-            marks.append(now)
-            while marks[0] < now - self.config.pace_window_s:
-                marks.popleft()
+            self._recent(replica, now).append(now)
         if self._trace is not None:
             self._log("routed", now, ticket=ticket, replica=replica, ttft=ttft_ms, tpot=tpot_ms, level=level,
                       proven=float(self.proven_levels([replica])[0]))

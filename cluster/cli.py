@@ -260,11 +260,14 @@ def cmd_overload(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         print("forespark overload: --warmup must be >= 0", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print("forespark overload: --repeats must be at least 1", file=sys.stderr)
+        return 2
     if (inputs := _load_inputs(args, args.url, args.capacity or args.start_rate)) is None:
         return 2
     base, slo = inputs
     try:
-        off_earlier = off_row_from(Path(args.off_json)) if args.off_json else None
+        off_earlier, off_repeats = off_row_from(Path(args.off_json)) if args.off_json else (None, 1)
     except (ValueError, OSError) as e:
         print(f"forespark overload: --off-json: {e}", file=sys.stderr)
         return 2
@@ -275,10 +278,10 @@ def cmd_overload(args: argparse.Namespace) -> int:
         rate = found.max_rate
     if args.off_json and 1.0 not in multiples:
         multiples.insert(0, 1.0)
-    result, rc = measure_overload(base, slo, multiples, rate, args.warmup, args.off_url), 0
+    result, rc = measure_overload(base, slo, multiples, rate, args.warmup, args.off_url, repeats=args.repeats), 0
     if off_earlier is not None:
         try:
-            result = with_off(result, off_earlier, args.off_json)
+            result = with_off(result, off_earlier, args.off_json, off_repeats)
         except ValueError as e:  # the rows measured here are still written
             print(f"forespark overload: --off-json: {e}", file=sys.stderr)
             rc = 1
@@ -708,6 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "admission-off server, where both cannot run at once (same --seed; --capacity defaults to that run's)")
     over.add_argument("--warmup", type=float, default=10.0, help="seconds of load at 1x before the rows, not counted "
                       "(each server's; default 10, 0: none)")
+    over.add_argument("--repeats", type=int, default=1, help="run the multiples this many times, interleaved, and pool "
+                      "each multiple's requests into its row (default 1; the admission-off side is measured alike)")
     over.add_argument("--start-rate", type=float, default=8.0)
     over.add_argument("--bisect-steps", type=int, default=3)
     over.add_argument("--refusal-cpu", action="store_true", help="instead: measure the host CPU one refused request "

@@ -168,6 +168,10 @@ class AdmissionConfig(BaseModel):
     hold_refused_share: float = Field(default=0.0, ge=0, le=1, description="requests wait so only while at most this "
                                       "share of the last `feedback_window` decided were refused (the proxy's from the board "
                                       "included): under overload a request held would mostly wait to be refused, late")
+    hold_demand: float = Field(default=1.5, ge=0, description="and only while requests arrive (admitted or refused, over "
+                               "the last 5 s) at no more than this times the fleet's completions: at 2x, in the lulls "
+                               "between refusals, requests held waited 20-145 ms for the next refusal to close the room, "
+                               "and were refused that late (traced)")
     gate_s: float = Field(default=0.5, ge=0, description="after two refusals in a row for a full fleet, the ingress refuses at once "
                           "for up to this long, until a request completes (0: every request reaches the router)")
     board: bool = Field(default=True, description="the ingress posts what admission would answer any request now where its "
@@ -502,6 +506,7 @@ class AdmissionLoop:
         self._refused: deque[bool] = deque(maxlen=max(config.feedback_window, 1))  # the last decided: refused?
         self._arrivals: deque[tuple[float, int]] = deque()  # (when, how many) decided over the last DEMAND_WINDOW_S
         self._arrived = 0
+        self._completions: float | None = None  # the fleet's completions per second at the last decision (None: none yet)
         self.listeners: list[Callable[[], None]] = []  # told when a request is placed or completes (`changed`)
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(f"{trace}.{os.getpid()}", "a", buffering=1) if trace else None
@@ -527,6 +532,9 @@ class AdmissionLoop:
         stays as it was)."""
         now = time.monotonic() if now is None else now
         corrections = self.feedback.corrections(now)
+        drain = kwargs.get("drain_rate", args[4] if len(args) > 4 else None)
+        if drain is not None:
+            self._completions = float(np.sum(drain))
         if replicas is not None:
             kwargs.update(zip(("proven", "missed", "live"), self._measured(replicas, now)))
             if self.config.pace_window_s > 0 and self._refused_share() > self.config.pace_refused_share:
@@ -548,7 +556,7 @@ class AdmissionLoop:
                           "live": None if kwargs.get("live") is None else np.round(kwargs["live"], 2).tolist(),
                           "taken": None if kwargs.get("taken") is None else kwargs["taken"].tolist(),
                           "demand": kwargs.get("demand"),
-                          "drain": np.round(kwargs.get("drain_rate", args[4] if len(args) > 4 else np.nan), 2).tolist()}))
+                          "drain": None if drain is None else np.round(drain, 2).tolist()}))
         return decision, corrections
 
     def _taken_recently(self, replicas: list, now: float) -> np.ndarray:
@@ -591,15 +599,17 @@ class AdmissionLoop:
         return True
 
     def hold_room(self, replicas: int, now: float | None = None) -> bool:
-        """Whether another request may wait (`hold`): under `hold_per_replica` x `replicas` wait, and at most
-        `hold_refused_share` of the last requests decided were refused. Requests held past twice `hold_ms` (their
-        callers gone) are let go."""
+        """Whether another request may wait (`hold`): under `hold_per_replica` x `replicas` wait, at most
+        `hold_refused_share` of the last requests decided were refused, and requests arrive at most `hold_demand`
+        times as fast as the fleet completes them (as of the last decision; unconstrained before one). Requests
+        held past twice `hold_ms` (their callers gone) are let go."""
         config = self.config
         now = time.monotonic() if now is None else now
         stale = now - 2.0 * config.hold_ms / 1000.0
         for key in [k for k, since in self._held.items() if since < stale]:
             del self._held[key]
-        return (config.hold_ms > 0 and self._refused_share() <= config.hold_refused_share
+        overloaded = self._completions is not None and self.demand(now) > config.hold_demand * self._completions
+        return (config.hold_ms > 0 and self._refused_share() <= config.hold_refused_share and not overloaded
                 and len(self._held) < math.ceil(config.hold_per_replica * replicas))
 
     def _refused_share(self) -> float:

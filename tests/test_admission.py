@@ -398,6 +398,36 @@ def test_a_request_refused_only_for_its_tpot_waits_to_be_decided_again_within_it
     assert not AdmissionLoop(config.model_copy(update={"hold_ms": 0.0})).hold("a", tpot_only, 0.0, 2, now=0.0)
 
 
+def test_a_request_waits_for_room_only_while_requests_arrive_about_as_fast_as_the_fleet_completes_them():
+    """Under overload the recent refusals can lull (at 2x, traced: 32 admitted in a row), and a request held then
+    waited until the next refusal closed the room, to be refused 20-145 ms late; what arrives against what
+    completes (over 5 s) does not lull."""
+    config = CONFIG.model_copy(update={"hold_ms": 300.0, "hold_per_replica": 1.0, "hold_refused_share": 0.0,
+                                       "hold_demand": 1.5})
+    tpot_only = one(stats(30), config=config)
+    assert not tpot_only.admit and tpot_only.waitable
+
+    def loop_at(completions: float, arrivals: float, config=config) -> AdmissionLoop:
+        """A loop whose last decision saw the fleet complete `completions` a second, with `arrivals` a second
+        decided over the last 5 s, none refused."""
+        loop = AdmissionLoop(config)
+        loop.decided(refused=False, count=round(arrivals * 5), now=0.0)
+        loop.decide(FleetArrays([stats(30)]), np.zeros(1), 1.0, 20.0, np.array([completions]), config, now=0.0)
+        return loop
+
+    assert loop_at(10.0, 10.0).hold("a", tpot_only, 0.0, 1, now=0.0)  # the sustainable rate: waits for room
+    assert loop_at(10.0, 14.0).hold("a", tpot_only, 0.0, 1, now=0.0)  # a burst
+    assert not loop_at(10.0, 20.0).hold("a", tpot_only, 0.0, 1, now=0.0)  # twice the completions: refused now
+    assert not loop_at(0.0, 2.0).hold("a", tpot_only, 0.0, 1, now=0.0)  # arrivals and nothing completes
+    held = loop_at(10.0, 14.0)  # a held request whose room closes is refused at its next decision
+    assert held.hold("a", tpot_only, 0.0, 1, now=0.0)
+    held.decided(refused=False, count=30, now=0.05)
+    assert not held.hold("a", tpot_only, 50.0, 1, now=0.05)
+    # Controls: before any decision nothing is known of the rates, and a looser bound holds at 2x too.
+    assert AdmissionLoop(config).hold("a", tpot_only, 0.0, 1, now=0.0)
+    assert loop_at(10.0, 20.0, config.model_copy(update={"hold_demand": 2.5})).hold("a", tpot_only, 0.0, 1, now=0.0)
+
+
 def test_under_overload_a_replica_takes_no_more_than_it_completes_plus_a_burst():
     config = CONFIG.model_copy(update={"pace_window_s": 1.0, "pace_burst": 2.0, "pace_growth": 0.0,
                                        "pace_refused_share": 0.25, "pace_demand": 1.5})

@@ -257,11 +257,15 @@ def cmd_overload(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"forespark overload: --multiples must be numbers, got {args.multiples!r}", file=sys.stderr)
         return 2
+    if len(set(multiples)) != len(multiples):
+        print(f"forespark overload: error: --multiples names a multiple twice ({args.multiples}); --repeats runs them again",
+              file=sys.stderr)
+        return 2
     if args.warmup < 0:
         print("forespark overload: --warmup must be >= 0", file=sys.stderr)
         return 2
     if args.repeats < 1:
-        print("forespark overload: --repeats must be at least 1", file=sys.stderr)
+        print("forespark overload: error: --repeats must be at least 1", file=sys.stderr)
         return 2
     if (inputs := _load_inputs(args, args.url, args.capacity or args.start_rate)) is None:
         return 2

@@ -63,6 +63,8 @@ def test_demo_says_it_is_offline():
     ("bench", "planner", "--ks", "0"), ("bench", "planner", "--batches", "x"), ("nope",),
     ("simulate", "run", "--rate", "5", "--duration", "1", "--max-num-seqs", "0"),
     ("overload", "--url", "http://127.0.0.1:9", "--refusal-cpu", "--refusal-requests", "0"),
+    ("overload", "--url", "http://127.0.0.1:9", "--repeats", "0"),
+    ("overload", "--url", "http://127.0.0.1:9", "--multiples", "1,2,1"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args):
     proc = run(*args, check=False)

@@ -280,7 +280,7 @@ def cmd_overload(args: argparse.Namespace) -> int:
         found = capacity(base.model_copy(update={"out_dir": Path(args.out) / "capacity"}), slo, args.start_rate,
                          args.bisect_steps, on_probe=lambda p: print(format_probe(p), flush=True))
         rate = found.max_rate
-    if args.off_json and 1.0 not in multiples:
+    if (args.off_json or args.off_url) and 1.0 not in multiples:  # admission's cost is read at 1x
         multiples.insert(0, 1.0)
     result, rc = measure_overload(base, slo, multiples, rate, args.warmup, args.off_url, repeats=args.repeats), 0
     if off_earlier is not None:

@@ -185,8 +185,8 @@ def measure_overload(
     repeats: int = 1,
 ) -> OverloadResult:
     """One row per multiple of `rate`, pooled over `repeats` interleaved pieces, after `warmup_s` of load at `rate`
-    that is not counted (its row is kept apart); with `off_url`, then a warm-up and the 1x pieces on the
-    admission-off server, and admission's cost."""
+    that is not counted (its row is kept apart); with `off_url` (`multiples` must hold 1), then a warm-up and the
+    1x pieces on the admission-off server, and admission's cost."""
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
 
@@ -205,12 +205,11 @@ def measure_overload(
             for m in at:
                 piece = run(seeded, slo, m, rate, label=f"{label}r{r}-" if repeats > 1 else label)
                 pieces[m].append(piece)
-                order.append(pooled_row(m, m * rate, [piece], slo))
-        return [pooled_row(m, m * rate, pieces[m], slo) for m in at], order if repeats > 1 else []
+                if repeats > 1:
+                    order.append(pooled_row(m, m * rate, [piece], slo))
+        return [pooled_row(m, m * rate, pieces[m], slo) for m in at], order
 
     warmed = warm(base, "warm-")
-    if off_url and 1.0 not in multiples:
-        multiples = [1.0, *multiples]
     rows, order = measure(base, multiples, "")
     result = OverloadResult(capacity=rate, rows=rows, repeats=repeats, pieces=order, warmup=warmed)
     if off_url:

@@ -95,6 +95,13 @@ class WCSConfig(BaseModel):
         "steps drafting nothing near the load (scheduling/realised_advantage.py; docs/design/closed-loop-wcs.md says "
         "why it is off by default)",
     )
+    mode_gate: bool = Field(
+        default=True,
+        description="wcs serves each load in blocks of steps, speculating or holding (drafting nothing, as `ar`), "
+        "whichever realised more tokens per ms there, and serves the other again now and then "
+        "(scheduling/mode_gate.py)",
+    )
+    mode_block_steps: int = Field(default=64, ge=1, description="steps per block of the mode gate")
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)
     seed: int = 0
 

@@ -16,7 +16,10 @@ doubles the hold, up to `replan_max` steps, so an engine where drafting does
 not pay runs as `ar` does but for the drafter context it keeps for a return;
 a plan that drafts starts again from `replan_every`. Probes
 (`scheduling.exploration`) end a hold when they fall due, so a belief that
-drafting does not pay keeps being checked.
+drafting does not pay keeps being checked. Above all this, the mode gate
+(`scheduling.mode_gate`) serves `wcs` in blocks of steps, speculating or
+holding throughout, by which of the two realised more tokens per ms at the
+load.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from scheduling.calibration import PostDraftCalibrator
 from scheduling.cost_model import StepCostModel
 from scheduling.estimators import ESTIMATORS, ConstantEstimator, SurvivalEstimator
 from scheduling.exploration import ProbeSchedule
+from scheduling.mode_gate import ModeGate
 from scheduling.online_cost import OnlineCostModel
 from scheduling.planner import DraftPlan
 from scheduling.policies import Policy, PolicyName, StepLimits
@@ -47,7 +51,7 @@ from scheduling.traces import PreDraftInputs, Traces
 logger = logging.getLogger(__name__)
 
 # What a controller learns while it serves, kept per policy (`StepController.set_policy`).
-LEARNED = ("estimator", "calibrator", "_online", "recalibrator", "gain", "probes", "advantage")
+LEARNED = ("estimator", "calibrator", "_online", "recalibrator", "gain", "probes", "advantage", "gate")
 
 # Used only until the engine's own profile is loaded (`replicas.wcs.profiler`); logged when used.
 UNPROFILED_COST = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.02, per_target_ms=0.05)
@@ -95,6 +99,7 @@ class StepController:
         self.gain = RealisedGain(k) if config.recalibrate else None
         self.probes = ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None
         self.advantage = RealisedAdvantage() if config.advantage_feedback else None
+        self.gate = ModeGate(config.mode_block_steps) if config.mode_gate else None
         self._probes_due = False  # some request is due for a probe: do not hold
         self._round_verify_ms: float | None = None  # this step is a probe round: its predicted verification
         self.set_policy(config.policy)
@@ -128,12 +133,16 @@ class StepController:
             for a, v in (self._learned.pop(policy.name, None) or self._fresh_learning()).items():
                 setattr(self, a, v)
             self._probes_due = False
+            if self.gate is not None:
+                self.gate.interrupt()
         self.policy = policy
         self.stats = WCSStats(policy=self.policy.name.value, k=self.k)
         self._held = 0  # steps held without planning since the last plan
         self._drafted_nothing = False  # the last plan chose to draft nothing
         self._hold = self.config.replan_every  # steps a plan without drafts is kept for (doubling in a row)
-        self._ever_drafts = bool(self.policy.draft_bounds(np.full(1, self.k))[1].any())
+        lo, hi = self.policy.draft_bounds(np.full(1, self.k))
+        self._ever_drafts = bool(hi.any())
+        self._chooses = self._ever_drafts and not lo.any()  # it may draft nothing where drafting does not pay (`wcs`)
 
     @property
     def cost(self) -> StepCostModel | None:
@@ -159,6 +168,7 @@ class StepController:
             "gain": RealisedGain(k) if config.recalibrate else None,
             "probes": ProbeSchedule(config.explore_every, budget=config.explore_budget) if config.explore_every else None,
             "advantage": RealisedAdvantage() if config.advantage_feedback else None,
+            "gate": ModeGate(config.mode_block_steps) if config.mode_gate else None,
         }
 
     def forget_learning(self) -> None:
@@ -217,6 +227,8 @@ class StepController:
         them. Without `config.online_cost` the profile alone prices steps."""
         if self.advantage is not None:
             self.advantage.ran(period_ms, prefill)
+        if self._gated():
+            self.gate.ran(period_ms)
         online = self._online
         if online is not None and self.profiling is None and self.config.online_cost:
             online.observe(requests, drafted, target, period_ms, prefill, context_rows, context_ms)
@@ -234,6 +246,8 @@ class StepController:
         self.stats.verify_steps += int((verified > 0).sum())
         if self.advantage is not None:
             self.advantage.emitted(len(req_ids) + int(np.sum(accepted)))
+        if self._gated():
+            self.gate.emitted(len(req_ids) + int(np.sum(accepted)))
         if self.gain is not None and self.profiling is None and self._draft.any():
             self._observe_gain(req_ids, verified, accepted)
         if self.probes is not None and self._ever_drafts:
@@ -290,7 +304,7 @@ class StepController:
         slack = self.slack_ms(req_ids, generated) if self.limits.pace_tpot_ms and generated is not None else None
         if features is None:
             if self.needs_drafter():
-                if not self._may_hold():  # (a probe that fell due since the runner decided to hold waits a step)
+                if not (self._may_hold() or self._gate_holds()):  # (a probe that fell due since the runner decided to hold waits a step)
                     raise ValueError("plan needs features unless the policy never drafts or a plan without drafts holds")
                 self._held += 1
                 self.stats.held_steps += 1
@@ -361,6 +375,8 @@ class StepController:
             self._count_advantage(len(req_ids), features is None or probes is None)
         if self.probes is not None:
             self.probes.earn(self.cost_model.step_ms(len(req_ids), 0, len(req_ids)))
+        if self._gated() and self.gate.planned(len(req_ids)) and share is not None:
+            self.gate.mode = share(self.gate.mode)
         self.stats.steps += 1
         self.stats.planned_requests += len(req_ids)
         self.stats.add_positions("drafted_per_pos", self._draft)
@@ -407,8 +423,17 @@ class StepController:
 
     def holds_no_drafts(self) -> bool:
         """True when this step keeps the last plan's decision to draft nothing without planning (see the
-        module docstring); never while profiling."""
-        return self._may_hold() and not self._probes_due
+        module docstring), or the mode gate serves this block holding; never while profiling."""
+        return self._gate_holds() or (self._may_hold() and not self._probes_due)
+
+    def _gated(self) -> bool:
+        """The mode gate runs: a policy that chooses whether to draft, served (not profiled), while the online
+        correction keeps the plans in measured milliseconds (as `margin` says: a synthetic cost model, as tests set
+        to make drafting pay, is taken as it is)."""
+        return self.gate is not None and self._chooses and self.profiling is None and self.config.online_cost
+
+    def _gate_holds(self) -> bool:
+        return self._gated() and self.gate.holding
 
     def _may_hold(self) -> bool:
         return self._drafted_nothing and self.profiling is None and self._held + 1 < self._hold

@@ -183,7 +183,7 @@ class WCSRunnerMixin:
             ctl.plan(req_ids, None, max_width, generated=generated)
             return self._wcs_no_drafts(req_ids, (time.perf_counter() - t0) * 1e3, 0.0, sample_hidden_states.device)
         if self._wcs_holding:
-            draft = ctl.plan(req_ids, None, max_width, generated=generated)
+            draft = ctl.plan(req_ids, None, max_width, share=share_from_first_rank, generated=generated)
         else:
             # Pre-draft features at each request's newest token: row offset + accepted of its sampled rows.
             offsets = np.concatenate([[0], np.cumsum(verified + 1)[:-1]])

@@ -69,3 +69,24 @@ def test_a_request_without_drafts_for_too_long_loses_its_context(monkeypatch):
     assert slots == [100]  # only b's tokens: a's context is incomplete and is not stored
     p.drop_context(["a"])
     assert p.context_lost == set()
+
+
+def test_the_row_store_keeps_every_live_step_through_growth_and_compaction():
+    """Deferred hidden states are copied into one preallocated store (not cloned per step); when it fills, the live
+    steps move to the front or to a larger store. Whatever the moves, a flush stores each live row's own values."""
+    p = bare_proposer()
+    rng = np.random.default_rng(0)
+    slot = 0
+    live = []  # (slot, tag) of the rows of the steps still kept
+    for step in range(400):
+        n = int(rng.integers(1, 700))  # (a step with prefill chunks is long)
+        defer(p, ["a"], [n], list(range(slot, slot + n)), tag=step)
+        live.append([(s, float(step)) for s in range(slot, slot + n)])
+        live = live[-proposer.MAX_DEFERRED_STEPS :]
+        slot += n
+    store = p._deferral.rows
+    assert store.shape[0] < 4 * sum(map(len, live))  # compacted: not every row ever deferred
+    p._deferral.lost.clear()  # ("a" lost its oldest steps: keep its rows in the flush, to check them)
+    p.flush_context()
+    (hidden, _, slots), = p.model.stored
+    assert sorted(zip(slots, hidden)) == sorted(x for step in live for x in step)

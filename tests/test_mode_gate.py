@@ -54,3 +54,39 @@ def test_a_step_whose_period_is_not_known_counts_for_nothing():
     assert np.isnan(gate.rates(4)).all()  # the block closed with no measured step: nothing was learned
     with pytest.raises(ValueError):
         ModeGate(block_steps=0)
+
+
+@pytest.mark.parametrize("policy", ["wcs", "static"])
+def test_the_controller_holds_whole_blocks_where_holding_realises_more(policy):
+    """Drafts are accepted at 0.25 where the estimator is sure of 0.8 and nothing else corrects it (steps take what
+    the cost model says): `wcs` soon serves blocks in which every step holds (no features asked for). Control:
+    `static`, which does not choose whether to draft, is never gated."""
+    from replicas.wcs.config import WCSConfig
+    from replicas.wcs.controller import StepController
+    from scheduling.cost_model import StepCostModel
+    from scheduling.estimators import ConstantEstimator
+
+    k, batch = 4, 8
+    cost = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.1, per_target_ms=0.05,
+                                draft_launch_ms=1.0)
+    config = WCSConfig(policy=policy, mode_block_steps=8, explore_every=None, recalibrate=False)
+    ctl = StepController(config, k, ConstantEstimator(k, prior=0.8, prior_weight=1e6), cost=cost)
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(batch)]
+    verified = accepted = np.zeros(batch, np.int64)
+    held = 0
+    for t in range(400):
+        ctl.observe(ids, verified, accepted)
+        target = batch + int(verified.sum())
+        holds = ctl.holds_no_drafts()
+        draft = ctl.plan(ids, None if holds else np.zeros((batch, 8)), np.full(batch, k))
+        d = int(draft.sum())
+        verified = ctl.verify(np.full((batch, k), 0.9)) if d else np.zeros(batch, np.int64)
+        accepted = np.minimum(np.cumprod(rng.random((batch, k)) < 0.25, axis=1).sum(axis=1), verified)
+        ctl.observe_step(batch, d, target, cost.step_ms(batch, d, target))
+        if t >= 200:
+            held += holds
+    if policy == "static":
+        assert held == 0
+    else:
+        assert held > 150, (held, ctl.gate.blocks)

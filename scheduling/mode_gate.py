@@ -1,11 +1,9 @@
 """Whether to speculate at all at this load, chosen by what each mode realised: tokens emitted per ms of whole steps.
 
 Every other loop of closed-loop WCS corrects one part of a plan's prediction (step time, acceptance, realised
-gain), and a plan can still lose through what none of them sees or through how their errors combine: in the
-engine bench at 16-128 requests on this CPU, `wcs` ran 3-6% behind `ar` with every correction at work,
-through drafting steps that stored the context deferred since the last one, plans predicted a few percent
-ahead, and finishing requests spread over more steps. So the controller also runs as a two-armed bandit over
-blocks of steps, per load (requests in the batch, in bins of a factor of two around powers of two):
+gain), and a plan can still lose through what none of them sees or through how their errors combine. So the
+controller also runs as a two-armed bandit over blocks of steps, per load (requests in the batch, in bins of a
+factor of two around powers of two):
 
 - **speculate**: the planner decides each step as usual (it may still draft nothing, or probe);
 - **hold**: every step drafts nothing without planning, as `ar` does but for the drafter context deferred for
@@ -15,11 +13,11 @@ Each block's tokens and milliseconds go to its arm at its load, whole steps with
 (prefill chunks, context stores, features, planning), so the comparison is between the two ways of serving
 this load, with nothing left out. A block closes after `block_steps` steps or when the load moves to another
 bin (counting then for the share of a block it ran). The next block serves the arm with more tokens per ms;
-an arm with less than `min_blocks` blocks of evidence (two, faded a little) is served first (the lighter one), and the losing arm
-is served again once its evidence has faded below one block (weights halve every `half_life_blocks` blocks
-at that load), so neither arm is trusted on a belief nobody checks. Re-serving the loser costs about
-1 / (half_life_blocks + 1) of the time at the gap between the arms; a block of speculation that follows
-holding also pays the context store of the hold, the real price of switching.
+an arm with less than `min_blocks` blocks of evidence (two, faded a little) is served first (the lighter one),
+and the losing arm is served again once its evidence has faded below one block (weights halve every
+`half_life_blocks` blocks at that load), so neither arm is trusted on a belief nobody checks. Re-serving the
+loser costs about 1 / (half_life_blocks + 1) of the time at the gap between the arms; a block of speculation
+that follows holding also pays the context store of the hold, the real price of switching.
 
 Fed only with step periods and counts of emitted tokens: decisions stay lossless (DESIGN.md section 1).
 """
@@ -52,7 +50,7 @@ class ModeGate:
         self._block = np.zeros(2)  # its tokens and ms so far
         self._pending: tuple | None = None  # (tokens, load bin, arm, block) of the step last emitted, until its period
         self._closed = 0  # blocks closed so far: which block a pending step belongs to
-        self.blocks = np.zeros(2, dtype=np.int64)  # blocks served per arm (a counter for the stats)
+        self.blocks = np.zeros(2, dtype=np.int64)  # blocks served per arm (for diagnostics)
 
     @property
     def holding(self) -> bool:

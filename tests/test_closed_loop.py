@@ -250,16 +250,16 @@ def test_drafting_that_realises_less_than_it_was_promised_stops_where_it_loses()
 
 
 def test_the_mode_gate_holds_where_speculating_realises_less_and_speculates_where_it_pays():
-    """The same wrong belief, with only the mode gate to correct it (the default): blocks of speculation
+    """The same wrong belief, with only the mode gate to correct it: blocks of speculation
     realise less than blocks of holding, so the engine holds but for a block now and then (at least 0.93x of
     never drafting over the run's second half; control: the blind controller, at most 0.8x). Where drafts are
     accepted as believed, speculating realises more: the gate keeps it (at least 0.95x of the blind controller,
     which drafts in every step and is right to)."""
     plain, _ = realised_rate(WCSConfig(policy="ar"), accept=0.25)
-    gated, gated_share = realised_rate(WCSConfig(), accept=0.25)
+    gated, gated_share = realised_rate(WCSConfig(mode_gate=True), accept=0.25)
     blind, _ = realised_rate(BLIND, accept=0.25)
     assert gated >= 0.93 * plain and gated_share < 0.3, (gated, plain, gated_share)
     assert blind < 0.8 * plain
-    paying, paying_share = realised_rate(WCSConfig(), accept=0.8)
+    paying, paying_share = realised_rate(WCSConfig(mode_gate=True), accept=0.8)
     paying_blind, _ = realised_rate(BLIND, accept=0.8)
     assert paying >= 0.95 * paying_blind and paying > 1.2 * plain and paying_share > 0.8, (paying, paying_blind, plain)

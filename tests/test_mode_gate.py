@@ -69,7 +69,7 @@ def test_the_controller_holds_whole_blocks_where_holding_realises_more(policy):
     k, batch = 4, 8
     cost = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.05, per_draft_ms=0.1, per_target_ms=0.05,
                                 draft_launch_ms=1.0)
-    config = WCSConfig(policy=policy, mode_block_steps=8, explore_every=None, recalibrate=False)
+    config = WCSConfig(policy=policy, mode_gate=True, mode_block_steps=8, explore_every=None, recalibrate=False)
     ctl = StepController(config, k, ConstantEstimator(k, prior=0.8, prior_weight=1e6), cost=cost)
     rng = np.random.default_rng(0)
     ids = [f"r{i}" for i in range(batch)]

@@ -96,10 +96,10 @@ class WCSConfig(BaseModel):
         "why it is off by default)",
     )
     mode_gate: bool = Field(
-        default=True,
+        default=False,
         description="wcs serves each load in blocks of steps, speculating or holding (drafting nothing, as `ar`), "
         "whichever realised more tokens per ms there, and serves the other again now and then "
-        "(scheduling/mode_gate.py)",
+        "(scheduling/mode_gate.py; docs/design/closed-loop-wcs.md says why it is off by default)",
     )
     mode_block_steps: int = Field(default=64, ge=1, description="steps per block of the mode gate")
     history_decay: float = Field(default=0.7, ge=0.0, lt=1.0)

@@ -17,7 +17,7 @@ not pay runs as `ar` does but for the drafter context it keeps for a return;
 a plan that drafts starts again from `replan_every`. Probes
 (`scheduling.exploration`) end a hold when they fall due, so a belief that
 drafting does not pay keeps being checked. Above all this, the mode gate
-(`scheduling.mode_gate`) serves `wcs` in blocks of steps, speculating or
+(`scheduling.mode_gate`, `mode_gate`, off by default) serves `wcs` in blocks of steps, speculating or
 holding throughout, by which of the two realised more tokens per ms at the
 load.
 """

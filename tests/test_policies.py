@@ -112,3 +112,27 @@ def test_engine_bench_reports_wcs_against_the_best_other_policy_per_concurrency(
     rows = [row("ar", 1, 100.0), row("static", 1, 120.0), row("wcs", 1, 114.0), row("ar", 64, 50.0), row("wcs", 64, 60.0),
             row("ar", 128, 10.0)]
     assert wcs_vs_best(rows) == pytest.approx({"1": 0.95, "64": 1.2, "128": None})
+
+
+def test_engine_bench_pairs_each_repetition_of_wcs_with_the_same_repetition_of_the_best_other_policy():
+    """The host runs at 100, 60 and 80 over three repetitions; wcs runs at 0.97, 0.97 and 0.80 of `static` in them.
+    Paired, the median is 0.97; the ratio of medians (64 / 80) takes wcs's from the slow repetition and `static`'s
+    from another. Control: without repetitions to pair there is no paired figure."""
+    from replicas.wcs.bench import EngineRun, median_run, wcs_vs_best, wcs_vs_best_paired
+
+    def run(policy, tps):
+        return EngineRun(policy=policy, concurrency=4, finished=1, output_tokens=1, seconds=1.0, tokens_per_s=tps,
+                         per_request_rate=1.0, mean_accepted_length=1.0, draft_waste=0.0, draft_share=0.0,
+                         planner_share=0.0, steps=1)
+
+    host = [100.0, 60.0, 80.0]
+    rows = [
+        median_run([run("ar", 0.9 * h) for h in host]),
+        median_run([run("static", h) for h in host]),
+        median_run([run("wcs", share * h) for share, h in zip((0.97, 0.97, 0.80), host)]),
+    ]
+    assert rows[2].runs_tokens_per_s == pytest.approx([97.0, 58.2, 64.0])
+    assert wcs_vs_best_paired(rows) == pytest.approx({"4": 0.97})
+    assert wcs_vs_best(rows) == pytest.approx({"4": 0.80})
+    single = [r.model_copy(update={"runs_tokens_per_s": []}) for r in rows]
+    assert wcs_vs_best_paired(single) == {"4": None}

@@ -13,6 +13,11 @@ Policies are compared at a matched per-request generation rate: each
 policy's (rate, throughput) points form a curve, and throughput is
 interpolated at the lowest rate both curves reach (the highest load the runs
 cover).
+
+`wcs` against the best other policy at each concurrency is reported two ways:
+the ratio of the two medians, and the median of the ratios of the runs of
+the same repetition (taken minutes apart, so the host's drift over the bench,
+5-30% on this CPU, cancels out of each pair).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class EngineRun(BaseModel):
     planner_share: float
     steps: int
     reps: int = 1  # runs whose medians these are
+    runs_tokens_per_s: list[float] = []  # each run's tokens/s, in repetition order
 
 
 class EngineBench(BaseModel):
@@ -51,8 +57,10 @@ class EngineBench(BaseModel):
     ratios: dict[str, float | None]
     matched_rate: dict[str, float | None]  # the per-request rate each ratio is taken at
     rows: list[EngineRun]
-    # Per concurrency: wcs's throughput over the best other policy's in the same run (< 1 is regret).
+    # Per concurrency: wcs's throughput over the best other policy's in the same run (< 1 is regret), as a ratio of
+    # medians and as the median of the ratios of runs of the same repetition.
     wcs_vs_best: dict[str, float | None] = {}
+    wcs_vs_best_paired: dict[str, float | None] = {}
 
 
 def wcs_vs_best(rows: list[EngineRun]) -> dict[str, float | None]:
@@ -62,6 +70,19 @@ def wcs_vs_best(rows: list[EngineRun]) -> dict[str, float | None]:
         at = {r.policy: r.tokens_per_s for r in rows if r.concurrency == c}
         others = [v for p, v in at.items() if p != "wcs"]
         out[str(c)] = at["wcs"] / max(others) if "wcs" in at and others and max(others) > 0 else None
+    return out
+
+
+def wcs_vs_best_paired(rows: list[EngineRun]) -> dict[str, float | None]:
+    """{concurrency: the median over repetitions of wcs tokens/s over that of the policy best in median}."""
+    out: dict[str, float | None] = {}
+    for c in sorted({r.concurrency for r in rows}):
+        at = {r.policy: r for r in rows if r.concurrency == c}
+        others = [r for p, r in at.items() if p != "wcs"]
+        ours = at.get("wcs")
+        best = max(others, key=lambda r: r.tokens_per_s) if others else None
+        pairs = [a / b for a, b in zip(ours.runs_tokens_per_s, best.runs_tokens_per_s) if b > 0] if ours and best else []
+        out[str(c)] = float(np.median(pairs)) if pairs and len(ours.runs_tokens_per_s) == len(best.runs_tokens_per_s) else None
     return out
 
 
@@ -198,7 +219,8 @@ def run_engine_bench(
             ratios[f"wcs_vs_{base}"], rates[f"wcs_vs_{base}"] = matched_ratio(rows, "wcs", base)
     drafter = config.drafter
     return EngineBench(temperature=temperature, draft_sample_method=drafter.draft_sample_method if drafter else "greedy",
-                       ratios=ratios, matched_rate=rates, rows=rows, wcs_vs_best=wcs_vs_best(rows))
+                       ratios=ratios, matched_rate=rates, rows=rows, wcs_vs_best=wcs_vs_best(rows),
+                       wcs_vs_best_paired=wcs_vs_best_paired(rows))
 
 
 def median_run(runs: list[EngineRun]) -> EngineRun:
@@ -209,7 +231,9 @@ def median_run(runs: list[EngineRun]) -> EngineRun:
         if isinstance(value, float)
     }
     counts = {name: int(np.median([getattr(r, name) for r in runs])) for name in ("finished", "output_tokens", "steps")}
-    return runs[0].model_copy(update={**fields, **counts, "reps": len(runs)})
+    return runs[0].model_copy(
+        update={**fields, **counts, "reps": len(runs), "runs_tokens_per_s": [r.tokens_per_s for r in runs]}
+    )
 
 
 def format_rows(rows: list[EngineRun], header: bool = True) -> str:
@@ -230,7 +254,10 @@ def format_engine_bench(result: EngineBench) -> str:
     lines = [f"temperature {result.temperature:g}, {result.draft_sample_method} drafts", format_rows(result.rows)]
     best = ", ".join(f"c={c}: {v:.2f}" for c, v in result.wcs_vs_best.items() if v is not None)
     if best:
-        lines.append(f"wcs over the best other policy per concurrency: {best}")
+        lines.append(f"wcs over the best other policy per concurrency (ratio of medians): {best}")
+    paired = ", ".join(f"c={c}: {v:.2f}" for c, v in result.wcs_vs_best_paired.items() if v is not None)
+    if paired:
+        lines.append(f"... (median of the repetitions' ratios): {paired}")
     for name, ratio in result.ratios.items():
         rate = result.matched_rate[name]
         lines.append(

@@ -100,7 +100,6 @@ def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with
     `admit_proven`, `live_window_s`, `pace_window_s`)."""
     from pathlib import Path
 
-    from cluster.sim.fleet import HostModel
     from cluster.sim.overload import simulate_overload
     from cluster.sim.validate import ValidateResult
 
@@ -108,8 +107,7 @@ def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with
     fit = ValidateResult.model_validate_json((root / "results/sim/validate.json").read_text()).host
     slo = SLOConfig(ttft_ms=1000.0, tpot_ms=20.0)
     base = FleetConfig(replicas=2, profile="cpu-embedded", traces=root / "replicas/models/weights/traces.npz",
-                       host=HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms), request_ms=fit.request_ms,
-                       admission=AdmissionConfig(ttft_ms=1000.0, tpot_ms=20.0))
+                       **fit.fleet_update(), admission=AdmissionConfig(ttft_ms=1000.0, tpot_ms=20.0))
     load = LoadConfig(rate=20.0, duration_s=30.0)
 
     def at_4x(admission: AdmissionConfig):
@@ -348,7 +346,7 @@ def test_validation_fits_a_known_host_overhead_back_and_errors_are_relative():
     fit = fit_host(base, real_rows, load, SLO, seed=5, policy="wcs")
     assert fit.event_cpu_ms == pytest.approx(3.0, rel=0.3)
     assert fit.request_ms == pytest.approx(30.0, abs=10.0)
-    fitted = base.model_copy(update={"host": HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms), "request_ms": fit.request_ms})
+    fitted = base.model_copy(update=fit.fleet_update())
     good = relative_errors(real, metrics(simulate_rows(variant_fleet(fitted, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
     bad = relative_errors(real, metrics(simulate_rows(variant_fleet(base, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
     assert good["tpot_p50"] < 0.1 < bad["tpot_p50"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from cluster.app import AppConfig
 from cluster.sim.validate import METRICS, real_app_config, validate
 from loadtest.config import LoadTestConfig, SLOConfig
@@ -23,6 +25,16 @@ def test_a_small_validation_runs_the_real_stack_and_the_simulator_on_the_same_re
     # At light load both deliver what is offered: the simulated throughput cannot be far from the real one.
     assert case.error["throughput"] < 0.3
     assert result.host.rate == 2.0 and result.host.seed == 1003  # fitted on its own run, not on the case's
+    # What the runs were measured with stays beside them: re-simulating them reads the same profile and gives the same
+    # figures.
+    assert result.profile == str(tmp_path / "profile.json") and (tmp_path / "profile.json").exists()
+    again = validate(["wcs"], [2.0], load, slo, replicas=1, port=free_port(), seed=3, work=tmp_path, log=lambda _: None)
+    assert again.cases[0].sim == case.sim and again.host == result.host
+    other = validate(["wcs"], [2.0], load, slo, replicas=1, port=free_port(), seed=3, work=tmp_path, profile="cpu-embedded",
+                     log=lambda _: None)
+    assert other.profile == "cpu-embedded" and other.cases[0].sim != case.sim  # control: another profile, other figures
+    with pytest.raises(ValueError, match="fresh-profile"):  # a fresh profile for runs measured with another: refused
+        validate(["wcs"], [2.0], load, slo, replicas=1, seed=3, work=tmp_path, fresh_profile=True, log=lambda _: None)
 
 
 def test_the_real_servers_run_the_policy_with_admission_off():

@@ -64,12 +64,10 @@ def _fleet_load_slo(args: argparse.Namespace, rate: float):
     groups = FleetDescription.load(args.fleet).groups if args.fleet else None
     host = {}
     if getattr(args, "host_from", None):  # CPU replicas sharing their host with the serving path, as a validation fitted it
-        from cluster.sim.fleet import HostModel
         from cluster.sim.validate import ValidateResult
 
         fit = ValidateResult.model_validate_json(Path(args.host_from).read_text()).host
-        host = {"host": HostModel(cores=fit.cores, event_cpu_ms=fit.event_cpu_ms, refusal_cpu_ms=args.refusal_cpu_ms),
-                "request_ms": fit.request_ms}
+        host = fit.fleet_update(refusal_cpu_ms=args.refusal_cpu_ms)
     fleet = FleetConfig(replicas=args.replicas, profile=args.profile, acceptance=args.acceptance, engine=engine, groups=groups,
                         traces=Path(args.traces) if args.traces else None,
                         max_ongoing_requests=args.max_num_seqs, admission=admission, ingresses=args.ingresses,
@@ -307,10 +305,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens, seed=args.seed, processes=args.processes)
     rates = [float(r) for r in args.rates.split(",")]
     policies = [p.strip() for p in args.policies.split(",")]
-    result = validate(policies, rates, load, slo, replicas=args.replicas, port=args.port, seed=args.seed,
-                      real_compare=Path(args.real_compare) if args.real_compare else None, calibration_rate=args.calibration_rate,
-                      calibration_policy=args.calibration_policy, work=Path(args.reuse) if args.reuse else None,
-                      host=ValidateResult.model_validate_json(Path(args.host_from).read_text()).host if args.host_from else None)
+    try:
+        result = validate(policies, rates, load, slo, replicas=args.replicas, port=args.port, seed=args.seed,
+                          real_compare=Path(args.real_compare) if args.real_compare else None, calibration_rate=args.calibration_rate,
+                          calibration_policy=args.calibration_policy, work=Path(args.reuse) if args.reuse else None,
+                          host=ValidateResult.model_validate_json(Path(args.host_from).read_text()).host if args.host_from else None,
+                          profile=args.profile, fresh_profile=args.fresh_profile)
+    except ValueError as e:  # (--fresh-profile with nothing to measure, a profile that does not fit the traces)
+        print(f"forespark simulate validate: {e}", file=sys.stderr)
+        return 2
     print("median relative error: " + ", ".join(f"{k} {'-' if v is None else f'{v:.1%}'}" for k, v in result.median_error.items()))
     if result.ordering_matches is not None:
         print(f"sustainable-rate ordering (crossing rates) real {result.ordering['real']}, simulated {result.ordering['sim']}: "
@@ -424,6 +427,10 @@ def add_parser(sub) -> None:
     val.add_argument("--host-from", metavar="PATH", help="take the host model from an earlier validation's JSON (no calibration run)")
     val.add_argument("--reuse", metavar="DIR", help="a folder of real runs (an earlier validation's, e.g. results/sim/validate-real): "
                      "runs found there are read, missing ones measured into it")
+    val.add_argument("--profile", metavar="NAME|PATH", help="the replicas' step-cost profile (default: the one stored with the "
+                     "real runs in the --reuse folder, else this host's, copied there)")
+    val.add_argument("--fresh-profile", action="store_true", help="remove this host's cached profile of the replicas first, so "
+                     "the first real server profiles its engine afresh (quiet host)")
     val.add_argument("--real-compare", metavar="PATH", help="a `forespark compare` JSON whose policy ordering the simulator must match")
     val.add_argument("--json", metavar="PATH")
     val.set_defaults(func=cmd_validate)

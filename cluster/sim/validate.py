@@ -13,6 +13,7 @@ of the policies is compared with a real `forespark compare` result.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,11 @@ class HostFit(BaseModel):
     policy: str
     rate: float
     seed: int
+
+    def fleet_update(self, refusal_cpu_ms: float = 0.0) -> dict:
+        """What a `FleetConfig` of replicas on this host takes: its host model and HTTP time per request."""
+        return {"host": HostModel(cores=self.cores, event_cpu_ms=self.event_cpu_ms, refusal_cpu_ms=refusal_cpu_ms),
+                "request_ms": self.request_ms}
 
 
 class ValidateResult(BaseModel):
@@ -125,6 +131,14 @@ def real_app_config(policy: str, replicas: int, slo: SLOConfig) -> dict:
     return variant_app_config(base, VARIANTS[policy], slo)
 
 
+def run_dir(work: Path, policy: str, rate: float, seed: int) -> Path:
+    return work / policy / f"rate-{rate:g}-seed-{seed}"
+
+
+def measured(work: Path, policy: str, rate: float, seed: int) -> bool:
+    return any(run_dir(work, policy, rate, seed).glob("requests-*.csv"))
+
+
 def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLOConfig, replicas: int, port: int,
               work: Path) -> dict[tuple[str, float, int], list[RequestRow]]:
     """(policy, rate, seed) -> the real load test's rows; one server per policy, its runs in the order given. A run
@@ -134,9 +148,9 @@ def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLO
     from loadtest.run import run_loadtest
 
     def out(policy: str, rate: float, seed: int) -> Path:
-        return work / policy / f"rate-{rate:g}-seed-{seed}"
+        return run_dir(work, policy, rate, seed)
 
-    found = {run: read_rows(out(*run)) for run in runs if any(out(*run).glob("requests-*.csv"))}
+    found = {run: read_rows(out(*run)) for run in runs if measured(work, *run)}
     for policy in dict.fromkeys(run[0] for run in runs if run not in found):
         app = real_app_config(policy, replicas, slo)
         (work / policy).mkdir(parents=True, exist_ok=True)
@@ -185,30 +199,47 @@ def ordering_matches(real: dict[str, float], sim: dict[str, float]) -> bool:
 def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo: SLOConfig, replicas: int = 2,
              port: int = 8100, seed: int = 0, real_compare: Path | None = None, work: Path | None = None,
              calibration_rate: float | None = None, calibration_policy: str | None = None, host: HostFit | None = None,
-             log=print) -> ValidateResult:
+             profile: str | None = None, fresh_profile: bool = False, log=print) -> ValidateResult:
     """The cases are every (policy, rate) at `seed`; the host overheads are fitted on one more real run of
     `calibration_policy` (default `ar`, whose steps hold no acceptance to get wrong, else the first policy) at
     `calibration_rate` (default the middle rate) with another seed, which no case shares. `work` may hold an
     earlier validation's real runs, which are reused. `host`: a fit from another validation, used as it is (no
-    calibration run): the strictest test of settings the model was not fitted on."""
+    calibration run): the strictest test of settings the model was not fitted on.
+
+    What the real runs were measured with stays beside them in `work`, so that re-simulating them on another machine
+    gives the same figures: the replicas' step-cost profile (`profile.json`, copied from this host's cache when the
+    runs are measured; `profile` overrides it: a profile name or file). `fresh_profile`: the replicas' cached
+    profile is removed first, so that the first real server profiles its engine afresh on this host, quiet (a
+    profile cached while other work ran prices steps for that host, not this one)."""
     from replicas.models.build import WEIGHTS_DIR
 
     traces = WEIGHTS_DIR / "traces.npz"
-    profile = deployment_profile(replicas)
     work = work or Path(tempfile.mkdtemp(prefix="forespark-validate-"))
     cal_policy = calibration_policy or ("ar" if "ar" in policies else policies[0])
     calibration = (cal_policy, calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
     cases_runs = [(p, r, seed) for p in policies for r in rates]
-    runs = real_runs(([] if host else [calibration]) + cases_runs, load, slo, replicas, port, work)
-    if not profile.exists():  # (the real servers profile their engines at start when this host has no profile yet)
-        raise FileNotFoundError(f"no step-cost profile at {profile}: the real replicas did not profile where expected")
-    base = FleetConfig(replicas=replicas, profile=str(profile), traces=traces)
+    wanted = ([] if host else [calibration]) + cases_runs
+    if fresh_profile:
+        if all(measured(work, *run) for run in wanted):
+            raise ValueError(f"--fresh-profile needs real runs to measure: every run is already in {work}")
+        deployment_profile(replicas).unlink(missing_ok=True)
+        (work / "profile.json").unlink(missing_ok=True)
+    runs = real_runs(wanted, load, slo, replicas, port, work)
+    stored = work / "profile.json"
+    if profile is None:
+        if not stored.exists():
+            cached = deployment_profile(replicas)
+            if not cached.exists():  # (the real servers profile their engines at start when this host has no profile yet)
+                raise FileNotFoundError(f"no step-cost profile at {cached}: the real replicas did not profile where expected")
+            shutil.copyfile(cached, stored)
+        profile = str(stored)
+    base = FleetConfig(replicas=replicas, profile=profile, traces=traces)
     if host is None:
         cal_policy, cal_rate, cal_seed = calibration
         host = fit_host(base, runs.pop(calibration), load.model_copy(update={"rate": cal_rate, "seed": cal_seed}), slo, cal_seed, cal_policy)
         log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.event_cpu_ms:.2f} ms of CPU per output event "
             f"on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
-    base = base.model_copy(update={"host": HostModel(cores=host.cores, event_cpu_ms=host.event_cpu_ms), "request_ms": host.request_ms})
+    base = base.model_copy(update=host.fleet_update())
     cases = []
     for (policy, rate, _), rows in runs.items():
         real = build_report(rows, slo, rate, load.duration_s)

@@ -63,26 +63,27 @@ class EngineBench(BaseModel):
     wcs_vs_best_paired: dict[str, float | None] = {}
 
 
+def _wcs_and_best(rows: list[EngineRun]):
+    """Per concurrency (as a string key): `wcs`'s row and the row of the other policy best in median (None where
+    either is missing)."""
+    for c in sorted({r.concurrency for r in rows}):
+        at = {r.policy: r for r in rows if r.concurrency == c}
+        others = [r for p, r in at.items() if p != "wcs"]
+        yield str(c), at.get("wcs"), (max(others, key=lambda r: r.tokens_per_s) if others else None)
+
+
 def wcs_vs_best(rows: list[EngineRun]) -> dict[str, float | None]:
     """{concurrency: wcs tokens/s / the best of the other policies' tokens/s at that concurrency}."""
-    out: dict[str, float | None] = {}
-    for c in sorted({r.concurrency for r in rows}):
-        at = {r.policy: r.tokens_per_s for r in rows if r.concurrency == c}
-        others = [v for p, v in at.items() if p != "wcs"]
-        out[str(c)] = at["wcs"] / max(others) if "wcs" in at and others and max(others) > 0 else None
-    return out
+    return {c: ours.tokens_per_s / best.tokens_per_s if ours and best and best.tokens_per_s > 0 else None
+            for c, ours, best in _wcs_and_best(rows)}
 
 
 def wcs_vs_best_paired(rows: list[EngineRun]) -> dict[str, float | None]:
     """{concurrency: the median over repetitions of wcs tokens/s over that of the policy best in median}."""
     out: dict[str, float | None] = {}
-    for c in sorted({r.concurrency for r in rows}):
-        at = {r.policy: r for r in rows if r.concurrency == c}
-        others = [r for p, r in at.items() if p != "wcs"]
-        ours = at.get("wcs")
-        best = max(others, key=lambda r: r.tokens_per_s) if others else None
+    for c, ours, best in _wcs_and_best(rows):
         pairs = [a / b for a, b in zip(ours.runs_tokens_per_s, best.runs_tokens_per_s) if b > 0] if ours and best else []
-        out[str(c)] = float(np.median(pairs)) if pairs and len(ours.runs_tokens_per_s) == len(best.runs_tokens_per_s) else None
+        out[c] = float(np.median(pairs)) if pairs and len(ours.runs_tokens_per_s) == len(best.runs_tokens_per_s) else None
     return out
 
 

@@ -147,19 +147,16 @@ def real_runs(runs: list[tuple[str, float, int]], load: LoadTestConfig, slo: SLO
     from loadtest.report import read_rows
     from loadtest.run import run_loadtest
 
-    def out(policy: str, rate: float, seed: int) -> Path:
-        return run_dir(work, policy, rate, seed)
-
-    found = {run: read_rows(out(*run)) for run in runs if measured(work, *run)}
+    found = {run: read_rows(run_dir(work, *run)) for run in runs if measured(work, *run)}
     for policy in dict.fromkeys(run[0] for run in runs if run not in found):
         app = real_app_config(policy, replicas, slo)
         (work / policy).mkdir(parents=True, exist_ok=True)
         with ServerProcess(app, port, work / policy) as server:
             for run in [r for r in runs if r[0] == policy and r not in found]:
                 _, rate, seed = run
-                config = load.model_copy(update={"url": server.url, "out_dir": out(*run), "rate": rate, "seed": seed})
+                config = load.model_copy(update={"url": server.url, "out_dir": run_dir(work, *run), "rate": rate, "seed": seed})
                 run_loadtest(config, slo, progress=True, plots=False)
-                found[run] = read_rows(out(*run))
+                found[run] = read_rows(run_dir(work, *run))
     return {run: found[run] for run in runs}
 
 

@@ -51,10 +51,10 @@ def test_dropped_requests_are_left_out_and_a_resumed_one_starts_afresh():
     p = bare_proposer()
     defer(p, ["a", "b"], [1, 1], [10, 20], tag=1)
     p.drop_context(["a"])  # finished or preempted: slot 10 may be someone else's now
-    defer(p, ["a"], [1], [30], tag=2)  # "a" resumed with new slots
+    defer(p, ["a", "b"], [1, 1], [30, 21], tag=2)  # "a" resumed with new slots, in a batch like the last one
     p.flush_context()
     (_, _, slots), = p.model.stored
-    assert sorted(slots) == [20, 30]
+    assert sorted(slots) == [20, 21, 30]
 
 
 def test_a_request_without_drafts_for_too_long_loses_its_context(monkeypatch):
@@ -71,9 +71,10 @@ def test_a_request_without_drafts_for_too_long_loses_its_context(monkeypatch):
     assert p.context_lost == set()
 
 
-def test_the_row_store_keeps_every_live_step_through_growth_and_compaction():
-    """Deferred hidden states are copied into one preallocated store (not cloned per step); when it fills, the live
-    steps move to the front or to a larger store. Whatever the moves, a flush stores each live row's own values."""
+def test_the_ring_keeps_every_live_step_through_growth_and_wrapping():
+    """Deferred rows are copied into preallocated rings (not cloned per step); the oldest step is let go in place,
+    a step may wrap around the ring's end, and a full ring grows. Whatever the moves, a flush stores each live
+    row's own values."""
     p = bare_proposer()
     rng = np.random.default_rng(0)
     slot = 0
@@ -84,9 +85,30 @@ def test_the_row_store_keeps_every_live_step_through_growth_and_compaction():
         live.append([(s, float(step)) for s in range(slot, slot + n)])
         live = live[-proposer.MAX_DEFERRED_STEPS :]
         slot += n
-    store = p._deferral.rows
-    assert store.shape[0] < 4 * sum(map(len, live))  # compacted: not every row ever deferred
+    assert p._deferral.capacity < 4 * sum(map(len, live))  # a ring: not every row ever deferred
     p._deferral.lost.clear()  # ("a" lost its oldest steps: keep its rows in the flush, to check them)
     p.flush_context()
     (hidden, _, slots), = p.model.stored
     assert sorted(zip(slots, hidden)) == sorted(x for step in live for x in step)
+
+
+def test_a_step_split_across_the_ring_end_keeps_its_rows_and_the_layers_side_by_side(monkeypatch):
+    """The target hands its layers' hidden states over apart: they are laid side by side in the ring, also for a
+    step whose rows wrap from the ring's end to its front (a long hold at a steady load wraps every few steps)."""
+    monkeypatch.setattr(proposer, "MAX_DEFERRED_STEPS", 5)
+    p = bare_proposer()
+    slot, live = 0, []
+    for step in range(60):
+        n = 150 + 7 * (step % 5)  # ~800 rows kept: the 1,024-row ring wraps every few steps without growing
+        parts = [torch.full((n, 1), float(step)), torch.full((n, 2), step + 0.5)]
+        p.defer_context(["a"], np.array([0, n]), parts, torch.arange(n), torch.arange(slot, slot + n))
+        live = (live + [[(s, float(step)) for s in range(slot, slot + n)]])[-5:]
+        slot += n
+    assert p._deferral.capacity == 1024 and p.pending_rows == sum(map(len, live))
+    p._deferral.lost.clear()
+    stored = []
+    p.model.precompute_and_store_context_kv = lambda hidden, positions, slots: stored.append((hidden, slots))
+    p.flush_context()
+    (hidden, slots), = stored
+    assert sorted(zip(slots.tolist(), hidden[:, 0].tolist())) == sorted(x for step in live for x in step)
+    assert torch.equal(hidden[:, 1:], hidden[:, :1].expand(-1, 2) + 0.5)  # each row's second layer beside its first

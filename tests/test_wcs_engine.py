@@ -256,7 +256,7 @@ def test_random_widths_and_draft_free_steps_accept_like_full_blocks(random_width
 def test_without_the_context_kv_of_draft_free_steps_drafts_degrade(llm, random_width_run, monkeypatch):
     """Negative control: the same run, with the deferred context K/V of draft-free steps dropped."""
     drafter = model_runner(llm).drafter
-    monkeypatch.setattr(drafter, "flush_context", lambda: drafter._deferral.steps.clear())
+    monkeypatch.setattr(drafter, "flush_context", lambda: drafter._deferral.empty())
     broken, _ = _later_position_acceptance(llm, "wcs", profiling_seed=5)
     assert broken < 0.7 * random_width_run[0]
 

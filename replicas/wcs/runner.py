@@ -241,14 +241,10 @@ class WCSRunnerMixin:
     def _wcs_defer_context(self, scheduler_output, hidden_states, aux_hidden_states, cad) -> None:
         """Hand this step's target hidden states, positions and slots to the drafter for a later flush."""
         n = scheduler_output.total_num_scheduled_tokens
-        if self.use_aux_hidden_state_outputs:
-            hidden = torch.cat([h[:n] for h in aux_hidden_states], dim=-1)
-        else:
-            hidden = hidden_states[:n]
         self.drafter.defer_context(
             list(self.input_batch.req_ids),
             cad.query_start_loc_cpu.numpy(),
-            hidden,
+            [h[:n] for h in aux_hidden_states] if self.use_aux_hidden_state_outputs else hidden_states[:n],
             self._get_positions(n),
             cad.slot_mapping[:n],
         )

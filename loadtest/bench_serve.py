@@ -229,9 +229,12 @@ def format_bench_serve(result: BenchServeResult) -> str:
 
 
 def policy_app_config(base: dict[str, Any], policy: str) -> dict[str, Any]:
-    """`base` with one engine replica (unless it sets its own count) serving `policy`; router as `compare`'s."""
+    """`base` with one engine replica (unless it sets its own count) serving `policy`; router as `compare`'s, without
+    SLO admission unless `base` asks for it: the bench times requests, and a refused one would be missing from the
+    figure (a static server, slowed by the others starting beside it, refused its warm-up request with 429)."""
     config = variant_app_config(base, Variant(name=policy, policy=policy, router="acceptance_headroom"), SLOConfig())
     config["replica"].setdefault("num_replicas", 1)
+    config["router"].setdefault("admission", {}).setdefault("enabled", False)
     return config
 
 

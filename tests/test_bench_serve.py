@@ -104,6 +104,8 @@ def test_each_policys_app_has_one_replica_serving_that_policy_and_keeps_the_base
     assert config["replica"]["engine"]["wcs"] == {"replan_every": 4, "policy": "static", "online_cost": True}
     assert base["replica"]["engine"]["wcs"] == {"replan_every": 4}  # not modified
     assert policy_app_config({"replica": {"num_replicas": 2}}, "ar")["replica"]["num_replicas"] == 2
+    assert config["router"]["admission"] == {"enabled": False}  # timed requests are never refused...
+    assert policy_app_config({"router": {"admission": {"enabled": True}}}, "ar")["router"]["admission"]["enabled"]  # ...unless asked
     from cluster.app import AppConfig
 
     AppConfig.model_validate(policy_app_config({}, "wcs"))

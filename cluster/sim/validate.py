@@ -216,13 +216,13 @@ def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo:
     calibration = (cal_policy, calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
     cases_runs = [(p, r, seed) for p in policies for r in rates]
     wanted = ([] if host else [calibration]) + cases_runs
+    stored = work / "profile.json"
     if fresh_profile:
         if all(measured(work, *run) for run in wanted):
             raise ValueError(f"--fresh-profile needs real runs to measure: every run is already in {work}")
         deployment_profile(replicas).unlink(missing_ok=True)
-        (work / "profile.json").unlink(missing_ok=True)
+        stored.unlink(missing_ok=True)
     runs = real_runs(wanted, load, slo, replicas, port, work)
-    stored = work / "profile.json"
     if profile is None:
         if not stored.exists():
             cached = deployment_profile(replicas)

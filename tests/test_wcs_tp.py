@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from replicas.wcs.config import RUNNER_ENV
-from tests.test_wcs_engine import DRAFTING_PAYS
+from tests.test_wcs_engine import DRAFTING_PAYS, NEVER_PAYS
 
 SCRIPT = textwrap.dedent(
     """
@@ -27,6 +27,11 @@ SCRIPT = textwrap.dedent(
         from scheduling.estimators import ConstantEstimator
         if worker.rank == 1:
             worker.model_runner.wcs.estimator = ConstantEstimator(8, prior=0.99, prior_weight=1e6)
+        return worker.rank
+
+    def diverge_probe_rounds(worker):
+        # Rank 0 never affords a probe round, rank 1 always does (each prices rounds from its own step timings).
+        worker.model_runner.wcs.probes.affordable = (lambda cost_ms: worker.rank == 1)
         return worker.rank
 
     def main():
@@ -48,6 +53,12 @@ SCRIPT = textwrap.dedent(
             outs = llm.generate(prompts, params, use_tqdm=False)
             out[policy] = [list(o.outputs[0].token_ids) for o in outs]
             out[policy + "_stats"] = llm.collective_rpc("wcs_stats")
+        # Drafting never pays: wcs holds, requests fall due for probes, and only rank 1 would run a round.
+        llm.collective_rpc("wcs_set_cost_model", args=(sys.argv[2],))
+        llm.collective_rpc(diverge_probe_rounds)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        out["holding"] = [list(o.outputs[0].token_ids) for o in outs]
+        out["holding_stats"] = llm.collective_rpc("wcs_stats")
         print("RESULT " + json.dumps(out), flush=True)
 
     if __name__ == "__main__":
@@ -70,7 +81,7 @@ def tp_run(tmp_path_factory):
     }
     env.pop(RUNNER_ENV, None)  # the script's own engine_environment must set it
     proc = subprocess.run(
-        [sys.executable, str(script), DRAFTING_PAYS.model_dump_json()],
+        [sys.executable, str(script), DRAFTING_PAYS.model_dump_json(), NEVER_PAYS.model_dump_json()],
         capture_output=True, text=True, env=env, timeout=900,
     )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -101,3 +112,13 @@ def test_ranks_take_rank_zeros_widths(tp_run):
 
 def test_greedy_outputs_under_tp_equal_ar(tp_run):
     assert tp_run["wcs"] == tp_run["ar"]
+
+
+def test_ranks_hold_on_rank_zeros_decision_where_their_probe_budgets_differ(tp_run):
+    """Whether a probe round is affordable rests on each rank's step timings; the ranks disagreed here on purpose
+    (rank 0 never affords one, rank 1 always). Deciding to hold apart, a rank planning beside one holding hung both
+    (a TP-2 replica timed out in its first minutes, `test_serve_mixed_tp.py`)."""
+    (rank0, rank1), before = tp_run["holding_stats"], tp_run["wcs_stats"][0]
+    assert rank0["held_steps"] - before["held_steps"] > 20 and rank0["held_steps"] == rank1["held_steps"]
+    assert rank0["drafted_per_pos"] == rank1["drafted_per_pos"]
+    assert tp_run["holding"] == tp_run["ar"]

@@ -147,7 +147,10 @@ class WCSRunnerMixin:
         # The features need one row per request (its newest token), known only after sampling, which may
         # scale logits in place: keep a copy and summarise just those rows (a fraction of R + verified).
         # Decided once for the step: `observe` (in propose) may make a probe due, which counts from the next step.
-        self._wcs_holding = self.wcs.holds_no_drafts()
+        # Rank 0 decides for all: whether a probe round is affordable rests on each rank's own step timings, and a
+        # rank that planned (broadcasting its plan) while another held (running the next step's collectives) hung both.
+        holding = self.wcs.holds_no_drafts()
+        self._wcs_holding = share_from_first_rank(holding) if self.wcs.needs_drafter() else holding
         plans = self.wcs.needs_drafter() and not self._wcs_holding
         self._wcs_logits = logits.clone() if logits is not None and plans else None
         return super()._sample(logits, spec_decode_metadata)

@@ -307,6 +307,11 @@ def decide(
         limited = np.zeros(len(level), dtype=bool) if missed is None else missed
         bound = np.where(limited, bound, np.maximum(bound, burst))
         feasible &= level <= bound
+    # A replica with nothing in flight takes the request whatever the forecast says (a calibration or correction
+    # learnt under load refused a warm-up request on an idle fleet): refusing protects no one, and what is never
+    # admitted is never measured. A request's own tighter SLO and a deadline already past still hold.
+    if not (slo and (slo.tpot_ms or slo.ttft_ms)):
+        feasible |= (level <= 1.0) & (waited_ms <= ttft_slo)
     if feasible.any():
         return Decision(True, feasible, ttft, tpot, 0, level=level, tpot_slo_ms=request_tpot_slo)
     # Requests that must leave each replica before it is feasible, and how long that takes.

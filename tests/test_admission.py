@@ -84,6 +84,20 @@ def test_a_replica_too_slow_for_the_slo_alone_is_held_to_the_slos_headroom_above
     assert one(stats(10), config=config).admit and not one(stats(16), config=config).admit
 
 
+def test_an_idle_replica_takes_a_request_whatever_a_correction_learnt_under_load_predicts():
+    # Corrections learnt under load (TTFT +600 ms, TPOT 3x) predict a miss even for a request alone: refusing it
+    # on an idle fleet protects no one (a warm-up request got 429 this way).
+    harsh = Corrections(ttft_ms=600.0, tpot_slope=3.0)
+    assert one(stats(0), corrections=harsh).admit
+    # Controls: with one request already there the corrected forecast decides; a request's own SLO and a deadline
+    # already past still hold on an idle replica.
+    assert not one(stats(1), corrections=harsh).admit and one(stats(1)).admit
+    assert not one(stats(0), corrections=harsh, slo=RequestSLO(tpot_ms=20.0)).admit
+    assert not one(stats(0), waited_ms=600.0).admit
+    # The router's own accounting counts: stats say idle, the router sent one since.
+    assert not one(stats(0), added=1.0, corrections=harsh).admit
+
+
 def test_a_refusal_picks_the_replica_that_fits_and_retry_after_grows_with_the_queue():
     fleet = FleetArrays([stats(30), stats(4)])
     d = decide(fleet, np.zeros(2), 1.0, 20.0, np.array([10.0, 10.0]), CONFIG)

@@ -93,16 +93,14 @@ class _Deferral:
     def let_go_oldest(self) -> np.ndarray:
         """Drop the oldest kept step; returns the runs that owned its rows."""
         n = self.steps.popleft()
-        end = self.head + n
-        rows = self.run_of[self.head : end] if end <= self.capacity else self.run_of[(self.head + np.arange(n)) % self.capacity]
-        runs = np.unique(rows)
+        runs = np.unique(self.run_of[self.kept(n)])
         self.head = (self.head + n) % self.capacity
         self.size -= n
         return runs
 
-    def kept(self) -> np.ndarray:
-        """Ring indices of the kept rows, oldest first."""
-        return (self.head + np.arange(self.size)) % max(self.capacity, 1)
+    def kept(self, n: int | None = None) -> np.ndarray:
+        """Ring indices of the oldest `n` kept rows (all of them by default), oldest first."""
+        return (self.head + np.arange(self.size if n is None else n)) % max(self.capacity, 1)
 
     def empty(self) -> None:
         self.steps.clear()

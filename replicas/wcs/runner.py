@@ -242,14 +242,14 @@ class WCSRunnerMixin:
         return torch.empty(len(req_ids), 0, dtype=torch.int64, device=device)
 
     def _wcs_defer_context(self, scheduler_output, hidden_states, aux_hidden_states, cad) -> None:
-        """Hand this step's target hidden states, positions and slots to the drafter for a later flush."""
-        n = scheduler_output.total_num_scheduled_tokens
+        """Hand this step's target hidden states, positions and slots to the drafter for a later flush (it keeps
+        the step's first `total_num_scheduled_tokens` rows of each)."""
         self.drafter.defer_context(
             list(self.input_batch.req_ids),
             cad.query_start_loc_cpu.numpy(),
-            [h[:n] for h in aux_hidden_states] if self.use_aux_hidden_state_outputs else hidden_states[:n],
-            self._get_positions(n),
-            cad.slot_mapping[:n],
+            aux_hidden_states if self.use_aux_hidden_state_outputs else hidden_states,
+            self._get_positions(scheduler_output.total_num_scheduled_tokens),
+            cad.slot_mapping,
         )
 
     def _wcs_max_width(self, states, generated: np.ndarray, emitted: np.ndarray, batch: int, k: int) -> np.ndarray:

@@ -136,3 +136,16 @@ def test_engine_bench_pairs_each_repetition_of_wcs_with_the_same_repetition_of_t
     assert wcs_vs_best(rows) == pytest.approx({"4": 0.80})
     single = [r.model_copy(update={"runs_tokens_per_s": []}) for r in rows]
     assert wcs_vs_best_paired(single) == {"4": None}
+
+
+def test_engine_bench_order_puts_every_policy_as_often_early_as_late():
+    """Over each pair of repetitions every policy's positions sum alike, so a drift of the host within a concurrency's
+    runs falls on all of them alike. Control: the same order every repetition leaves `wcs` last each time."""
+    from replicas.wcs.bench import POLICIES, rotation
+
+    assert "wcs" in POLICIES and len(POLICIES) > 2
+    for reps in (2, 4):
+        sums = {p: sum(rotation(POLICIES, r).index(p) for r in range(reps)) for p in POLICIES}
+        assert len(set(sums.values())) == 1, sums
+    fixed = {p: sum(list(POLICIES).index(p) for _ in range(2)) for p in POLICIES}
+    assert len(set(fixed.values())) > 1

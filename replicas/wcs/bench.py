@@ -1,8 +1,8 @@
 """`forespark bench engine`: every policy on one WCS engine, same workload, at several concurrencies.
 
 One engine is built once; policies are switched between runs through the
-workers (`wcs_set_policy`), interleaved per concurrency level and repetition
-so machine drift hits all of them alike. A run keeps `c` requests in flight
+workers (`wcs_set_policy`), interleaved per concurrency level and repetition,
+in reverse order every other repetition, so machine drift hits all of them alike. A run keeps `c` requests in flight
 (closed loop) from the mixed-domain workload until `requests_per_slot * c`
 have finished, then aborts the rest. Throughput counts every token emitted in
 the window; the per-request generation rate is each finished request's
@@ -23,7 +23,7 @@ the same repetition (taken minutes apart, so the host's drift over the bench,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from pydantic import BaseModel
@@ -139,6 +139,13 @@ def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens
     return {"seconds": seconds, "tokens": sum(tokens.values()), "finished": finished, "rates": rates}
 
 
+def rotation(policies: Sequence[str], rep: int) -> list[str]:
+    """The policies' order in a repetition: as given, reversed every other one (A B C D, D C B A, ...), so that a
+    drift of the host within a concurrency's runs falls on every policy alike (in the given order `wcs` always ran
+    last, a minute or more after `ar`)."""
+    return list(policies) if rep % 2 == 0 else list(reversed(policies))
+
+
 def matched_ratio(rows: list[EngineRun], ours: str, base: str) -> tuple[float | None, float | None]:
     """Throughput ratio ours/base at the lowest per-request rate both policies' runs reach."""
 
@@ -189,7 +196,7 @@ def run_engine_bench(
     for c in concurrency:
         runs: dict[str, list[EngineRun]] = {p: [] for p in policies}
         for rep in range(reps):
-            for policy in policies:
+            for policy in rotation(policies, rep):
                 llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
                 out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}",
                                       temperature=temperature, seed=config.seed + 100_000 * rep)

@@ -28,6 +28,13 @@ them, wcs 0.88-0.92x of `ar`. Rounds backed off by a step count instead left
 an engine at one request holding while its drafts would have paid: a request
 lives fewer steps than the backed-off interval.)
 
+A round whose verdicts change nothing is itself evidence: where drafting is
+priced out (at 64-128 requests on this CPU probes were accepted at 0.84 and the
+next plan still drafted nothing), rounds only cost. So each round is judged at
+the next plan: if that plan drafts nothing, the budget halves (down to
+`MIN_BUDGET_SCALE` of itself); any plan that drafts restores it. (At 128
+requests on this CPU a steady 2% budget was about 2% of `ar`'s throughput.)
+
 A probe's width is chosen before drafting from earlier verdicts only:
 exploration changes which drafts are verified, never how.
 """
@@ -37,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 MAX_OVERRUN = 4.0  # rounds are never priced more than this many times their prediction (nor less than its inverse)
+MIN_BUDGET_SCALE = 0.125  # fruitless rounds shrink the budget to no less than this share of it
 
 
 class ProbeSchedule:
@@ -52,6 +60,8 @@ class ProbeSchedule:
         self.round_ms = 0.0  # the last predicted cost of a round (0 until one was priced)
         self.overrun = 1.0  # measured over predicted cost of the rounds so far (decayed)
         self._charged: tuple[float, float] | None = None  # the running round's (predicted, charged) cost
+        self.scale = 1.0  # the share of `budget` rounds earn now (halved by each fruitless round)
+        self._judging = False  # a round ran since the last plan: the next plan judges it
 
     def observe(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> bool:
         """One step of these requests; True when some of them are due for a probe and a round is affordable."""
@@ -72,7 +82,7 @@ class ProbeSchedule:
         """A step of `step_ms` (predicted) ran: the budget's share of it becomes credit, up to two rounds' worth
         (credit saved while drafting paid must not buy a burst of rounds when it stops)."""
         cap = 2.0 * self.round_ms * self.overrun if self.round_ms > 0 else float("inf")
-        self.credit_ms = min(self.credit_ms + self.budget * step_ms, cap)
+        self.credit_ms = min(self.credit_ms + self.scale * self.budget * step_ms, cap)
 
     def affordable(self, cost_ms: float) -> bool:
         """Whether a round of predicted extra cost `cost_ms` (priced up by `overrun`) is covered."""
@@ -83,6 +93,16 @@ class ProbeSchedule:
         charged = cost_ms * self.overrun
         self.credit_ms -= charged
         self._charged = (cost_ms, charged)
+        self._judging = True
+
+    def planned(self, drafts: bool) -> None:
+        """A plan other than a round's was made: it drafts (`drafts`), or not. One that does restores the budget;
+        the first one after a round that does not halves it."""
+        if drafts:
+            self.scale = 1.0
+        elif self._judging:
+            self.scale = max(self.scale / 2, MIN_BUDGET_SCALE)
+        self._judging = False
 
     def settle(self, measured_ms: float, decay: float = 0.5) -> None:
         """The running round cost `measured_ms`: it is paid in full, and `overrun` learns from it."""

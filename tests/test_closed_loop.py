@@ -162,10 +162,13 @@ def probing_steps(cost: StepCostModel, steps: int = 512, batch: int = 16) -> int
     return drive(ctl, steps, batch, accept=0.5)[1]
 
 
-def test_an_engine_where_drafting_does_not_pay_probes_within_its_budget():
+def test_an_engine_where_drafting_does_not_pay_probes_within_its_budget(monkeypatch):
     """Every request falls due every few of its steps, but they are probed together in rounds paid from 2% of
     step time: rounds twice as dear run about half as often, and nothing is trapped (rounds keep coming).
-    Control: where drafting pays, every step drafts."""
+    Control: where drafting pays, every step drafts. (The budget is held whole here; the next test halves it.)"""
+    from scheduling import exploration
+
+    monkeypatch.setattr(exploration, "MIN_BUDGET_SCALE", 1.0)
     base_ms = TRAP_COST.step_ms(16, 0, 16)
     rounds = {launch: probing_steps(TRAP_COST.model_copy(update={"draft_launch_ms": launch})) for launch in (20.0, 40.0)}
     for launch, n in rounds.items():
@@ -173,6 +176,29 @@ def test_an_engine_where_drafting_does_not_pay_probes_within_its_budget():
         assert 0.5 * affordable <= n <= affordable + 2, rounds
     assert rounds[20.0] > rounds[40.0]
     assert probing_steps(TRAP_COST) == 512
+
+
+def test_rounds_after_which_nothing_drafts_halve_the_probe_budget_and_a_plan_that_drafts_restores_it(monkeypatch):
+    """Where drafting is priced out and the estimator is right, a round's verdicts change no plan: each such round
+    halves the budget, down to an eighth, so rounds run several times less often than on the whole budget, and
+    still run. Controls: the budget held whole (no halving) probes more; where drafting pays it stays whole."""
+    from scheduling import exploration
+
+    dear = TRAP_COST.model_copy(update={"draft_launch_ms": 20.0})
+
+    def rounds(steps: int = 2048) -> tuple[int, float]:
+        ctl = StepController(WCSConfig(explore_every=4), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=dear)
+        return drive(ctl, steps, 16, accept=0.5)[1], ctl.probes.scale
+
+    halving, scale = rounds()
+    assert scale == exploration.MIN_BUDGET_SCALE and halving >= 2
+    with monkeypatch.context() as m:
+        m.setattr(exploration, "MIN_BUDGET_SCALE", 1.0)
+        whole, _ = rounds()
+    assert halving <= whole / 3, (halving, whole)
+    ctl = StepController(WCSConfig(explore_every=4), K, ConstantEstimator(K, prior=0.5, prior_weight=1e6), cost=TRAP_COST)
+    drive(ctl, 256, 16, accept=0.5)
+    assert ctl.probes.scale == 1.0
 
 
 def test_realised_gain_counts_drafts_the_allocator_cut_as_lost():

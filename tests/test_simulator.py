@@ -114,14 +114,17 @@ def test_overload_on_the_cpu_twin_keeps_admitted_requests_within_their_slos_with
         config = variant_fleet(base.model_copy(update={"admission": admission}), VARIANTS["wcs"], slo)
         return simulate_overload(config, load, slo, 20.0, [1.0, 4.0], [3]).runs[0]
 
+    def holds(run) -> bool:
+        return run.rows[1].attainment_admitted >= 0.9 and run.rows[1].goodput >= 0.9 * run.rows[0].goodput
+
     trusting = at_4x(base.admission)  # the default bound
-    assert trusting.rows[1].attainment_admitted >= 0.9 and trusting.rows[1].goodput >= 0.9 * trusting.rows[0].goodput
-    assert trusting.admission_cost_1x <= 0.05
+    assert holds(trusting) and trusting.admission_cost_1x <= 0.05, trusting.rows
     # Control: predictions and their measured errors alone (nor the measured levels nor the streams' live TPOT, and
-    # no request held to be decided again or paced: holding paces admissions too).
+    # no request held to be decided again or paced: holding paces admissions too) miss the same bar. (Over seeds 1-5
+    # its admitted attainment at 4x read 0.70-0.97 against the bound's 0.95-1.0; this test has always run seed 3.)
     control = at_4x(base.admission.model_copy(update={"trust": None, "admit_proven": False, "live_window_s": 0.0, "hold_ms": 0.0,
                                                       "pace_window_s": 0.0}))
-    assert control.rows[1].attainment_admitted < 0.85, control.rows[1]
+    assert not holds(control), control.rows
 
 
 def test_refused_requests_take_host_cpu_from_the_engines_and_nothing_else_does():

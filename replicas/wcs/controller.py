@@ -368,6 +368,8 @@ class StepController:
             # Drafting only the forced probes is still a choice to draft nothing: the hold goes on doubling.
             chosen = draft if probes is None else np.asarray(draft) > probes
             nothing = not np.any(chosen) and bool(np.any(max_width))
+            if self.probes is not None and self.profiling is None and self._round_verify_ms is None and np.any(max_width):
+                self.probes.planned(bool(np.any(chosen)))
             self._hold = min(2 * self._hold, self.config.replan_max) if nothing and self._drafted_nothing else self.config.replan_every
             self._held, self._drafted_nothing = 0, nothing
         self._draft = np.asarray(draft, dtype=np.int64)

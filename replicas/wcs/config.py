@@ -76,7 +76,8 @@ class WCSConfig(BaseModel):
         default=0.02,
         gt=0.0,
         lt=1.0,
-        description="share of step time that steps drafting only to probe may cost (scheduling/exploration.py)",
+        description="share of step time that steps drafting only to probe may cost; each round after which the next "
+        "plan still drafts nothing halves it, down to an eighth, and a plan that drafts restores it (scheduling/exploration.py)",
     )
     recalibrate: bool = Field(
         default=True,

@@ -2,12 +2,13 @@
 
 One engine is built once; policies are switched between runs through the
 workers (`wcs_set_policy`), interleaved per concurrency level and repetition,
-in reverse order every other repetition, so machine drift hits all of them alike. A run keeps `c` requests in flight
-(closed loop) from the mixed-domain workload until `requests_per_slot * c`
-have finished, then aborts the rest. Throughput counts every token emitted in
-the window; the per-request generation rate is each finished request's
-(n - 1) / (E2E - TTFT), i.e. 1 / TPOT, its median over the run. A row
-reports, per policy and concurrency, the median over `reps` runs.
+in reverse order every other repetition, so machine drift hits all of them
+alike. A run keeps `c` requests in flight (closed loop) from the mixed-domain
+workload until `requests_per_slot * c` have finished, then aborts the rest.
+Throughput counts every token emitted in the window; the per-request
+generation rate is each finished request's (n - 1) / (E2E - TTFT), i.e.
+1 / TPOT, its median over the run. A row reports, per policy and
+concurrency, the median over `reps` runs.
 
 Policies are compared at a matched per-request generation rate: each
 policy's (rate, throughput) points form a curve, and throughput is

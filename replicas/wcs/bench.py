@@ -143,7 +143,8 @@ def run_closed_loop(llm, prompts: list, concurrency: int, total: int, max_tokens
 def rotation(policies: Sequence[str], rep: int) -> list[str]:
     """The policies' order in a repetition: as given, reversed every other one (A B C D, D C B A, ...), so that a
     drift of the host within a concurrency's runs falls on every policy alike (in the given order `wcs` always ran
-    last, a minute or more after `ar`)."""
+    last, a minute or more after `ar`). `forespark bench serve` orders its repeats so too; it talks to the system over
+    HTTP only (DESIGN.md section 3), so the two do not share the function."""
     return list(policies) if rep % 2 == 0 else list(reversed(policies))
 
 

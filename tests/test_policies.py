@@ -149,3 +149,25 @@ def test_engine_bench_order_puts_every_policy_as_often_early_as_late():
         assert len(set(sums.values())) == 1, sums
     fixed = {p: sum(list(POLICIES).index(p) for _ in range(2)) for p in POLICIES}
     assert len(set(fixed.values())) > 1
+
+
+def test_engine_bench_times_no_run_before_every_policy_has_run_at_its_concurrency():
+    """The first drafting-heavy run at a load slows the engine for the runs after it: at each concurrency every
+    policy runs once untimed before the timed repetitions, which keep their rotation. Control: the rotation alone
+    times `ar` before any other policy has run at the load."""
+    from replicas.wcs.bench import POLICIES, rotation, schedule
+
+    def settled(runs) -> bool:
+        for c in {c for c, _, _ in runs}:
+            at = [(rep, p) for cc, rep, p in runs if cc == c]
+            first_timed = next(n for n, (rep, _) in enumerate(at) if rep is not None)
+            if {p for rep, p in at[:first_timed] if rep is None} != set(POLICIES):
+                return False
+        return True
+
+    runs = schedule(POLICIES, (1, 64), 3)
+    assert settled(runs)
+    for c in (1, 64):
+        timed = [p for cc, rep, p in runs if cc == c and rep is not None]
+        assert timed == [p for r in range(3) for p in rotation(POLICIES, r)]
+    assert not settled([(c, r, p) for c in (1, 64) for r in range(3) for p in rotation(POLICIES, r)])

@@ -3,12 +3,17 @@
 One engine is built once; policies are switched between runs through the
 workers (`wcs_set_policy`), interleaved per concurrency level and repetition,
 in reverse order every other repetition, so machine drift hits all of them
-alike. A run keeps `c` requests in flight (closed loop) from the mixed-domain
-workload until `requests_per_slot * c` have finished, then aborts the rest.
-Throughput counts every token emitted in the window; the per-request
-generation rate is each finished request's (n - 1) / (E2E - TTFT), i.e.
-1 / TPOT, its median over the run. A row reports, per policy and
-concurrency, the median over `reps` runs.
+alike. Each concurrency starts with an untimed round of every policy
+(`schedule`): on this CPU the first run of `dspark` at a load slowed every
+run after it there by 3-6% for good (`ar` at 64 requests: 2,082-2,134 tok/s
+before, 1,993-2,017 after; 2,123-2,128 in three runs beside `wcs` alone), so
+without the round the policy that ran first at a load, `ar` in the first
+repetition, was timed on a faster engine. A run keeps `c` requests in flight
+(closed loop) from the mixed-domain workload until `requests_per_slot * c`
+have finished, then aborts the rest. Throughput counts every token emitted
+in the window; the per-request generation rate is each finished request's
+(n - 1) / (E2E - TTFT), i.e. 1 / TPOT, its median over the run. A row
+reports, per policy and concurrency, the median over `reps` runs.
 
 Policies are compared at a matched per-request generation rate: each
 policy's (rate, throughput) points form a curve, and throughput is
@@ -148,6 +153,17 @@ def rotation(policies: Sequence[str], rep: int) -> list[str]:
     return list(policies) if rep % 2 == 0 else list(reversed(policies))
 
 
+def schedule(policies: Sequence[str], concurrency: Sequence[int], reps: int) -> list[tuple[int, int | None, str]]:
+    """The bench's runs in order, as (concurrency, repetition, policy): at each concurrency an untimed round of every
+    policy (repetition None) puts the engine in the state the timed runs then share, and the timed repetitions follow
+    in `rotation` order."""
+    runs: list[tuple[int, int | None, str]] = []
+    for c in concurrency:
+        runs += [(c, None, p) for p in policies]
+        runs += [(c, rep, p) for rep in range(reps) for p in rotation(policies, rep)]
+    return runs
+
+
 def matched_ratio(rows: list[EngineRun], ours: str, base: str) -> tuple[float | None, float | None]:
     """Throughput ratio ours/base at the lowest per-request rate both policies' runs reach."""
 
@@ -195,34 +211,38 @@ def run_engine_bench(
         llm.collective_rpc("wcs_set_policy", args=(policy,))
         run_closed_loop(llm, prompts, 2, 2, 8, tag=f"warm-{policy}")
     rows: list[EngineRun] = []
-    for c in concurrency:
-        runs: dict[str, list[EngineRun]] = {p: [] for p in policies}
-        for rep in range(reps):
-            for policy in rotation(policies, rep):
-                llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
-                out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}",
-                                      temperature=temperature, seed=config.seed + 100_000 * rep)
-                stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
-                runs[policy].append(
-                    EngineRun(
-                        policy=policy,
-                        concurrency=c,
-                        finished=out["finished"],
-                        output_tokens=out["tokens"],
-                        seconds=out["seconds"],
-                        tokens_per_s=out["tokens"] / out["seconds"],
-                        per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
-                        mean_accepted_length=stats.mean_accepted_length,
-                        draft_waste=stats.draft_waste,
-                        draft_share=stats.draft_share,
-                        planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
-                        steps=stats.steps,
-                    )
-                )
-        for policy in policies:
-            rows.append(median_run(runs[policy]))
+    runs: dict[tuple[int, str], list[EngineRun]] = {}
+    for c, rep, policy in schedule(policies, concurrency, reps):
+        llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
+        if rep is None:
+            run_closed_loop(llm, prompts, c, 2 * c, max_tokens, tag=f"settle-{policy}-{c}", temperature=temperature,
+                            seed=config.seed + 999_999)
+            continue
+        out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}",
+                              temperature=temperature, seed=config.seed + 100_000 * rep)
+        stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
+        done = runs.setdefault((c, policy), [])
+        done.append(
+            EngineRun(
+                policy=policy,
+                concurrency=c,
+                finished=out["finished"],
+                output_tokens=out["tokens"],
+                seconds=out["seconds"],
+                tokens_per_s=out["tokens"] / out["seconds"],
+                per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
+                mean_accepted_length=stats.mean_accepted_length,
+                draft_waste=stats.draft_waste,
+                draft_share=stats.draft_share,
+                planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
+                steps=stats.steps,
+            )
+        )
+        if all(len(runs.get((c, p), ())) == reps for p in policies):  # the concurrency's last run: its rows
+            first = not rows
+            rows += [median_run(runs[(c, p)]) for p in policies]
             if progress:
-                progress(format_rows([rows[-1]], header=len(rows) == 1))
+                progress(format_rows(rows[-len(policies):], header=first))
     ratios, rates = {}, {}
     for base in ("dspark", "ar", "static"):
         if "wcs" in policies and base in policies:

@@ -112,3 +112,22 @@ def test_a_step_split_across_the_ring_end_keeps_its_rows_and_the_layers_side_by_
     (hidden, slots), = stored
     assert sorted(zip(slots.tolist(), hidden[:, 0].tolist())) == sorted(x for step in live for x in step)
     assert torch.equal(hidden[:, 1:], hidden[:, :1].expand(-1, 2) + 0.5)  # each row's second layer beside its first
+
+
+def test_a_batch_held_on_unchanged_loses_context_step_by_step_as_its_steps_are_let_go(monkeypatch):
+    """A batch that runs on unchanged keeps one runs array, answered once when its first step is let go; a request
+    that joins later loses its context only when its own first step is let go (not with the batch before it)."""
+    monkeypatch.setattr(proposer, "MAX_DEFERRED_STEPS", 3)
+    p = bare_proposer()
+    answered = []
+    let_go = proposer._Deferral.let_go_oldest
+    monkeypatch.setattr(proposer._Deferral, "let_go_oldest", lambda d: answered.append(let_go(d)) or answered[-1])
+    lost = []
+    for step in range(7):
+        batch = ["a"] if step < 3 else ["a", "b"]
+        defer(p, batch, [1] * len(batch), list(range(10 * step, 10 * step + len(batch))), tag=step)
+        lost.append(set(p.context_lost))
+    assert lost[:3] == [set()] * 3
+    assert lost[3:6] == [{"a"}] * 3  # b's first step (step 3) is still kept
+    assert lost[6] == {"a", "b"}
+    assert [len(r) for r in answered] == [1, 0, 0, 2]  # steps 1 and 2 repeat step 0's runs

@@ -5,8 +5,8 @@ workers (`wcs_set_policy`), interleaved per concurrency level and repetition,
 in reverse order every other repetition, so machine drift hits all of them
 alike. Each concurrency starts with an untimed round of every policy
 (`schedule`): on this CPU the first run of `dspark` at a load slowed every
-run after it there by 3-6% for good (`ar` at 64 requests: 2,082-2,134 tok/s
-before, 1,993-2,017 after; 2,123-2,128 in three runs beside `wcs` alone), so
+run after it there by 2-6% for good (`ar` at 64 requests: 2,082-2,134 tok/s
+before, 1,993-2,038 after; 2,123-2,128 in three runs beside `wcs` alone), so
 without the round the policy that ran first at a load, `ar` in the first
 repetition, was timed on a faster engine. A run keeps `c` requests in flight
 (closed loop) from the mixed-domain workload until `requests_per_slot * c`

@@ -211,38 +211,37 @@ def run_engine_bench(
         llm.collective_rpc("wcs_set_policy", args=(policy,))
         run_closed_loop(llm, prompts, 2, 2, 8, tag=f"warm-{policy}")
     rows: list[EngineRun] = []
-    runs: dict[tuple[int, str], list[EngineRun]] = {}
-    for c, rep, policy in schedule(policies, concurrency, reps):
-        llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
-        if rep is None:
-            run_closed_loop(llm, prompts, c, 2 * c, max_tokens, tag=f"settle-{policy}-{c}", temperature=temperature,
-                            seed=config.seed + 999_999)
-            continue
-        out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}",
-                              temperature=temperature, seed=config.seed + 100_000 * rep)
-        stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
-        done = runs.setdefault((c, policy), [])
-        done.append(
-            EngineRun(
-                policy=policy,
-                concurrency=c,
-                finished=out["finished"],
-                output_tokens=out["tokens"],
-                seconds=out["seconds"],
-                tokens_per_s=out["tokens"] / out["seconds"],
-                per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
-                mean_accepted_length=stats.mean_accepted_length,
-                draft_waste=stats.draft_waste,
-                draft_share=stats.draft_share,
-                planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
-                steps=stats.steps,
+    for c in concurrency:
+        runs: dict[str, list[EngineRun]] = {p: [] for p in policies}
+        for _, rep, policy in schedule(policies, (c,), reps):
+            llm.collective_rpc("wcs_set_policy", args=(policy,))  # also resets the counters
+            if rep is None:
+                run_closed_loop(llm, prompts, c, 2 * c, max_tokens, tag=f"settle-{policy}-{c}", temperature=temperature,
+                                seed=config.seed + 999_999)
+                continue
+            out = run_closed_loop(llm, prompts, c, requests_per_slot * c, max_tokens, tag=f"{policy}-{c}-{rep}",
+                                  temperature=temperature, seed=config.seed + 100_000 * rep)
+            stats = WCSStats(**llm.collective_rpc("wcs_stats")[0])
+            runs[policy].append(
+                EngineRun(
+                    policy=policy,
+                    concurrency=c,
+                    finished=out["finished"],
+                    output_tokens=out["tokens"],
+                    seconds=out["seconds"],
+                    tokens_per_s=out["tokens"] / out["seconds"],
+                    per_request_rate=float(np.median(out["rates"])) if out["rates"] else 0.0,
+                    mean_accepted_length=stats.mean_accepted_length,
+                    draft_waste=stats.draft_waste,
+                    draft_share=stats.draft_share,
+                    planner_share=stats.planner_ms / stats.step_ms if stats.step_ms else 0.0,
+                    steps=stats.steps,
+                )
             )
-        )
-        if all(len(runs.get((c, p), ())) == reps for p in policies):  # the concurrency's last run: its rows
-            first = not rows
-            rows += [median_run(runs[(c, p)]) for p in policies]
+        for policy in policies:
+            rows.append(median_run(runs[policy]))
             if progress:
-                progress(format_rows(rows[-len(policies):], header=first))
+                progress(format_rows([rows[-1]], header=len(rows) == 1))
     ratios, rates = {}, {}
     for base in ("dspark", "ar", "static"):
         if "wcs" in policies and base in policies:

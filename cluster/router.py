@@ -217,13 +217,14 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
 
     def best_slack(self, body: dict | None) -> float | None:
         """The TPOT slack (ms) of this deployment's best replica for `body`, as `rank` would place it now (admission
-        aside); None without fresh stats from every replica; -inf when every replica holds `max_ongoing_requests`
-        of this router's requests (the request would wait in this deployment's queue, however fast its replicas)."""
+        aside); None without fresh stats from every replica."""
         replicas = list(self.curr_replicas.values())
-        if replicas and all(self.in_flight.get(r.replica_id, 0) >= getattr(r, "max_ongoing_requests", math.inf) for r in replicas):
-            return -math.inf
         view = self._fleet(replicas) if replicas else None
         return None if view is None else self._route(view, body).best
+
+    def capacity(self) -> float:
+        """Requests this deployment's replicas run at once (their `max_ongoing_requests`); more wait in its queue."""
+        return sum(getattr(r, "max_ongoing_requests", math.inf) for r in self.curr_replicas.values())
 
     def _route(
         self, view: _FleetView, body: dict | None, acceptance: float | None = None, prompt_tokens: float | None = None,

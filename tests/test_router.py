@@ -475,23 +475,71 @@ def test_an_ingress_over_deployments_of_two_tensor_parallel_sizes_calls_the_one_
         backend = FleetBackend([tp1, tp2], seed=0)
         body = {"prompt": "def f(x):"}
         assert r2.best_slack(body) > r1.best_slack(body)
-        assert backend.choose(body) is tp2
+        assert backend.choose(body) == 1
         r2.update_replicas([BenchReplica(r.replica_id, stats(60).model_dump()) for r in r2.curr_replicas.values()])
-        assert backend.choose(body) is tp1  # control: loaded, it loses the request
-        # A deployment whose every replica holds its max_ongoing_requests would queue the request: it loses it to one
-        # with room, whatever its slack; with one replica free it is ranked by slack again.
+        assert backend.choose(body) == 0  # control: loaded, it loses the request
+        # A deployment with as many of the ingress's requests outstanding as its replicas run at once would queue the
+        # request: it loses it to one with room, whatever its slack; with room again it is ranked by slack again.
         for r in r1.curr_replicas.values():
-            r.max_ongoing_requests, r1.in_flight[r.replica_id] = 4, 4
-        assert backend.choose(body) is tp2
-        r1.in_flight[next(iter(r1.curr_replicas))] = 3
-        assert backend.choose(body) is tp1
+            r.max_ongoing_requests = 4
+        backend.outstanding[0] = 12
+        assert backend.choose(body) == 1
+        backend.outstanding[0] = 11
+        assert backend.choose(body) == 0
         # A deployment whose router Serve has not made yet gets the request (its first makes it); one without stats
         # yet shares the traffic by replica count.
         router_registry.ROUTERS.pop("mixed-tp2")
-        assert backend.choose(body) is tp2
+        assert backend.choose(body) == 1
         (cold, _) = deployment("mixed-cold", [5, 5, 5], fresh=False)
         picks = [FleetBackend([tp1, cold], seed=s).choose(body) for s in range(60)]
-        assert 15 < picks.count(cold) < 45
+        assert 15 < picks.count(1) < 45
+
+    asyncio.run(go())
+
+
+def test_the_ingress_counts_a_request_outstanding_at_its_deployment_until_its_reply_ends():
+    """What `FleetBackend` sent a deployment counts against its room until the reply ends: a whole reply when it
+    returns, a stream when it ends, fails, or is dropped unread; a call that raises at once."""
+    import gc
+
+    from cluster.fleet_backend import FleetBackend
+    from replicas.openai_api import Reply
+
+    async def chunks():
+        yield "data: a\n\n"
+        yield "data: [DONE]\n\n"
+
+    class Deployment:
+        deployment_name = "counted-unregistered"  # no router: `choose` takes the first backend
+
+        def __init__(self) -> None:
+            self.reply: Reply | Exception = Reply(200, {})
+
+        async def completions(self, body, raw_request=None) -> Reply:
+            if isinstance(self.reply, Exception):
+                raise self.reply
+            return self.reply
+
+    async def go():
+        dep = Deployment()
+        backend = FleetBackend([dep])
+        await backend.completions({"prompt": "x"})
+        assert backend.outstanding == [0]
+        dep.reply = Reply(200, stream=chunks())
+        streamed = await backend.completions({"prompt": "x"})
+        assert backend.outstanding == [1]  # control: held while the stream is open
+        assert [c async for c in streamed.stream] == ["data: a\n\n", "data: [DONE]\n\n"]
+        assert backend.outstanding == [0]
+        dep.reply = Reply(200, stream=chunks())
+        unread = await backend.completions({"prompt": "x"})
+        assert backend.outstanding == [1]
+        del unread
+        gc.collect()
+        assert backend.outstanding == [0]
+        dep.reply = RuntimeError("replica gone")
+        with pytest.raises(RuntimeError):
+            await backend.completions({"prompt": "x"})
+        assert backend.outstanding == [0]
 
     asyncio.run(go())
 

@@ -260,7 +260,7 @@ def decide(
     rate = np.maximum(drain_rate, config.min_drain_rate)
     wait_ms = fc.queued * 1000.0 / rate
     has_cost = f.has_cost
-    prefill = np.where(has_cost, prompt_tokens * np.nan_to_num(f.prefill_token_ms), 0.0)
+    prefill = np.where(has_cost, prompt_tokens * f.prefill_ms_per_token, 0.0)
     # The requests that replace those finishing bring their prefills into the steps of the batch: at the
     # measured rate, each step carries rate * step of them, which stretches every step by that share.
     stretch = 1.0 / np.maximum(1.0 - drain_rate * prefill / 1000.0, 0.1)

@@ -62,6 +62,12 @@ class FleetArrays:
         modelled = self.step_ms / np.maximum(self.tokens_per_step, 1.0)
         ok = self.has_cost & (self.running > 0) & np.isfinite(self.realised_tpot_ms) & (modelled > 0)
         self.realised_ratio = np.where(ok, self.realised_tpot_ms / np.where(ok, modelled, 1.0), np.nan)
+        # What each decision reads of the two (computed here once per stats, not per decision).
+        self.prefill_ms_per_token = np.nan_to_num(self.prefill_token_ms)
+        self.neg_running, self.over_batch = -self.running, self.load - self.max_num_seqs
+        self.all_cost = bool(self.has_cost.all())
+        self.batch_gain = np.where(self.running > 0, np.maximum(self.tokens_per_step - 1.0, 0.0), np.nan)
+        self.realised_scale = np.clip(np.nan_to_num(self.realised_ratio, nan=1.0), 1.0 / MAX_REALISED_RATIO, MAX_REALISED_RATIO)
 
 
 def expected_tokens_per_step(fleet: FleetArrays, relative_acceptance: float) -> np.ndarray:
@@ -96,22 +102,25 @@ def placement_forecast(
     the requests routed to each replica since its stats (both 0 leave prefill out, as the autoscaler's supply
     search does).
     """
+    # (Written for the router's decision time: numpy's per-call overhead, not the arithmetic, is its cost at any
+    # fleet size, so each line is as few calls as it can be.)
     f = fleet
-    n_new = np.maximum(added, -f.running) + 1.0
-    queued = np.maximum(0.0, f.load + n_new - f.max_num_seqs)
+    n_new = np.maximum(added, f.neg_running)
+    n_new += 1.0
+    queued = np.maximum(f.over_batch + n_new, 0.0)
     base_after = f.base_step_ms + n_new * f.base_request_ms
     # Speculation's demand at the new batch; never negative: forecast below the running batch (fewer requests, as the
     # autoscaler's supply search and a replica whose requests finished since its stats ask), a measured speculation
     # share smaller than the per-request slope times the requests removed would otherwise make the step negative.
     demand = np.maximum(f.spec_ms + n_new * f.spec_request_ms, 0.0)
-    kept = np.clip((f.cap_ms - base_after) / np.maximum(demand, 1e-9), 0.0, 1.0)
+    kept = np.minimum(np.maximum((f.cap_ms - base_after) / np.maximum(demand, 1e-9), 0.0), 1.0)
     step_after = base_after + kept * demand
     gain = np.maximum(np.asarray(tokens_if_room, dtype=np.float64) - 1.0, 0.0)
     tpot_new = step_after / (1.0 + gain * kept)
-    tpot_batch = np.where(f.running > 0, step_after / (1.0 + np.maximum(f.tokens_per_step - 1.0, 0.0) * kept), 0.0)
-    tpot = np.maximum(tpot_new, tpot_batch)
-    prefill_ms = np.nan_to_num(f.prefill_token_ms) * (np.asarray(pending_prompt_tokens, dtype=np.float64) + prompt_tokens)
-    if np.any(prefill_ms > 0):
+    # The batch's TPOT (an idle replica's is NaN, which `fmax` passes over).
+    tpot = np.fmax(tpot_new, step_after / (1.0 + f.batch_gain * kept))
+    prefill_ms = f.prefill_ms_per_token * (np.asarray(pending_prompt_tokens, dtype=np.float64) + prompt_tokens)
+    if prompt_tokens > 0 or (prefill_ms > 0).any():
         stretch = 1.0 / np.maximum(1.0 - prefill_ms / PREFILL_HORIZON_MS, 0.1)
         step_after, tpot = step_after * stretch, tpot * stretch
     return Forecast(n_new, queued, step_after, tpot)
@@ -124,7 +133,9 @@ def placement_slack(
     """TPOT slack (ms) per replica after placing one more request there (see `placement_forecast`)."""
     f = fleet
     fc = placement_forecast(fleet, added, tokens_if_room, prompt_tokens, pending_prompt_tokens)
-    realised = np.clip(np.nan_to_num(f.realised_ratio, nan=1.0), 1.0 / MAX_REALISED_RATIO, MAX_REALISED_RATIO)
-    slack = f.cap_ms - fc.tpot * realised - fc.queued * f.cap_ms
+    queued_ms = fc.queued * f.cap_ms
+    slack = f.cap_ms - fc.tpot * f.realised_scale - queued_ms
+    if f.all_cost:
+        return slack
     # No cost model (an engine without WCS): fewer requests is all that can be said.
-    return np.where(f.has_cost, slack, -(f.load + fc.n_new) - fc.queued * f.cap_ms)
+    return np.where(f.has_cost, slack, -(f.load + fc.n_new) - queued_ms)

@@ -65,5 +65,5 @@ def route(
     if decision is not None:
         order = order[: int(decision.feasible.sum())]  # infeasible replicas are never offered
     best = slack[order[0]]
-    tied = int(np.searchsorted(-slack[order], -best + tie_ms, side="right"))
+    tied = int(np.count_nonzero(slack >= best - tie_ms))  # (the head of `order`: it sorts by slack, stably)
     return Route(order, tied, decision, correction, float(best))

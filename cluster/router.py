@@ -32,6 +32,7 @@ every replica is full, and a replica that died is dropped at once.
 from __future__ import annotations
 
 import math
+import operator
 import random
 import time
 from collections import defaultdict
@@ -174,7 +175,7 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 )
                 while len(self._predictions) > admission_module.MAX_PENDING:
                     self._predictions.pop(next(iter(self._predictions)))
-        ranked = [candidates[i] for i in routed.order]
+        ranked = list(operator.itemgetter(*routed.order.tolist())(candidates)) if len(routed.order) > 1 else [candidates[routed.order[0]]]
         tied = routed.tied
         self._decisions.inc()
         singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]
@@ -233,12 +234,15 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
         """`route` over `view` for `body`; `acceptance` and `prompt_tokens` in place of the body's when given."""
         if acceptance is None:
             acceptance = self.model.relative_acceptance(body) if body else 1.0
+        added, prompts = view.routed - view.baseline, view.prompts
+        if self.ingresses > 1:
+            added, prompts = added * self.ingresses, prompts * self.ingresses
         return route(
             view.arrays,
-            (view.routed - view.baseline) * self.ingresses,
+            added,
             acceptance,
             prompt_tokens=self._prompt_tokens(body) if prompt_tokens is None else prompt_tokens,
-            pending_prompt_tokens=view.prompts * self.ingresses,
+            pending_prompt_tokens=prompts,
             tie_ms=self.tie_ms,
             **admission,
         )

@@ -175,7 +175,8 @@ class AcceptanceHeadroomRouter(FIFOMixin, RequestRouter):
                 )
                 while len(self._predictions) > admission_module.MAX_PENDING:
                     self._predictions.pop(next(iter(self._predictions)))
-        ranked = list(operator.itemgetter(*routed.order.tolist())(candidates)) if len(routed.order) > 1 else [candidates[routed.order[0]]]
+        order = routed.order.tolist()
+        ranked = list(operator.itemgetter(*order)(candidates)) if len(order) > 1 else [candidates[i] for i in order]
         tied = routed.tied
         self._decisions.inc()
         singles = [[r] for r in ranked[tied : tied + self.top_ranks - 1]]

@@ -26,8 +26,13 @@ class PostDraftCalibrator:
 
     @staticmethod
     def _design(confidence: np.ndarray, prior: np.ndarray) -> np.ndarray:
-        c = np.nan_to_num(confidence, nan=0.5)
-        return np.stack([logit(c), logit(prior), np.ones_like(c)], axis=-1)  # (B, K, 3)
+        confidence = np.asarray(confidence, dtype=np.float64)
+        x = np.empty((*confidence.shape, 3))  # (B, K, 3)
+        # NaN (not drafted) reads as 0.5; logit clips, so infinities fare as they would after nan_to_num.
+        x[..., 0] = logit(np.where(np.isnan(confidence), 0.5, confidence))
+        x[..., 1] = logit(prior)
+        x[..., 2] = 1.0
+        return x
 
     def fit(self, confidence: np.ndarray, prior: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> "PostDraftCalibrator":
         at_risk, acc = hazard_labels(drafted, accepted, self.k)

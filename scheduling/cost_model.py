@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from scheduling.survival import clip
+
 
 class PiecewiseLinear(BaseModel):
     """g(x) with g(knots[0]) = 0 and slope[i] on [knots[i], knots[i+1]]; the last slope runs on to infinity."""
@@ -59,7 +61,7 @@ class PiecewiseLinear(BaseModel):
             return np.zeros((len(x), 0))
         lo, hi = k[:-1], k[1:].copy()
         hi[-1] = np.inf  # the last segment extrapolates
-        return np.clip(x[:, None] - lo[None, :], 0.0, (hi - lo)[None, :])
+        return clip(x[:, None] - lo[None, :], 0.0, (hi - lo)[None, :])
 
 
 def _knots(values: np.ndarray, max_knots: int) -> list[float]:

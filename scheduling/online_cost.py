@@ -157,7 +157,7 @@ class OnlineCostModel:
         predicted = self.profiled.step_ms(requests, drafted, target)
         # A step far off its prediction (a first call's warm-up, a pause of the host) says little about the next:
         # its residual is clipped so that a few such steps cannot price drafting out for good.
-        self._y[drafting, j] = float(np.clip(period_ms - predicted, -0.75 * predicted, 2.0 * predicted))
+        self._y[drafting, j] = min(max(period_ms - predicted, -0.75 * predicted), 2.0 * predicted)
         self._t[drafting, j] = self.seen
         self._r[drafting, j] = self._recent_r[self.seen % self.refresh_every] = max(requests, 1)
         self.seen += 1

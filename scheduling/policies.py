@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 from scheduling.allocator import distribute_verify_budget
 from scheduling.cost_model import StepCostModel
 from scheduling.planner import DraftPlan, plan_step
+from scheduling.survival import clip
 
 
 class PolicyName(StrEnum):
@@ -69,7 +70,7 @@ class Policy(BaseModel):
         self, max_width: np.ndarray, oracle_accepted: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(lo, hi) per request; `max_width` (B,) caps widths (e.g. tokens left to generate - 1)."""
-        w = np.clip(np.asarray(max_width, dtype=np.int64), 0, self.k)
+        w = clip(np.asarray(max_width, dtype=np.int64), 0, self.k)
         match self.name:
             case PolicyName.AR:
                 zero = np.zeros_like(w)

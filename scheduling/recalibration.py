@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduling.estimators import hazard_labels
-from scheduling.survival import hazards_from_survival, logit, sigmoid, survival_from_hazards
+from scheduling.survival import clip, hazards_from_survival, logit, sigmoid, survival_from_hazards
 
 _EPS = 1e-3
 
@@ -53,14 +53,13 @@ class OnlineRecalibrator:
         m = self.pseudo_rows
         realised = (self._a + m * self._a.sum() / n) / (self._n + m)
         predicted = (self._p + m * self._p.sum() / n) / (self._n + m)
-        clip = lambda x: np.clip(x, _EPS, 1.0 - _EPS)  # noqa: E731
-        self.offset = logit(clip(realised)) - logit(clip(predicted))
+        self.offset = logit(clip(realised, _EPS, 1.0 - _EPS)) - logit(clip(predicted, _EPS, 1.0 - _EPS))
 
     def apply(self, survival: np.ndarray) -> np.ndarray:
         """Survival curves (B, K) with the offsets applied to their hazards."""
         if not self.offset.any():
             return survival
-        hazards = np.clip(hazards_from_survival(survival), _EPS, 1.0 - _EPS)
+        hazards = clip(hazards_from_survival(survival), _EPS, 1.0 - _EPS)
         return survival_from_hazards(sigmoid(logit(hazards) + self.offset))
 
 
@@ -106,7 +105,7 @@ class RealisedGain:
         m = self.pseudo_rows
         per_slot_realised, per_slot_expected = self.realised.sum() / n, self.expected.sum() / n
         ratio = (self.realised + m * per_slot_realised) / np.maximum(self.expected + m * per_slot_expected, _EPS)
-        self.ratio = np.minimum.accumulate(np.clip(ratio, 0.0, 1.0))
+        self.ratio = np.minimum.accumulate(clip(ratio, 0.0, 1.0))
 
     def apply(self, survival: np.ndarray) -> np.ndarray:
         if (self.ratio >= 1.0).all():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduling.survival import logit, sigmoid
+from scheduling.survival import clip, logit, sigmoid
 from scheduling.traces import AcceptanceHistory, PreDraftInputs, Traces
 
 FEATURE_NAMES = ("context_signal", "log_position")
@@ -105,8 +105,22 @@ def keyed_uniforms(seed: int, request: np.ndarray, position: np.ndarray, n: int,
 
 
 def keyed_normals(seed: int, request: np.ndarray, position: np.ndarray, n: int, point: np.ndarray | None = None) -> np.ndarray:
-    u = keyed_uniforms(seed, request, position, 2 * n, point)
+    return _box_muller(keyed_uniforms(seed, request, position, 2 * n, point), n)
+
+
+def _box_muller(u: np.ndarray, n: int) -> np.ndarray:
     return np.sqrt(-2.0 * np.log(u[:, :n])) * np.cos(2.0 * np.pi * u[:, n:])
+
+
+def _keyed_normals_and_uniforms(seed: int, point: np.ndarray, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`keyed_normals(seed, ..., n)` and `keyed_uniforms(seed + 1, ..., m)` at the same points, hashed together
+    (a drafting step of the simulator draws both)."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.array([seed, seed + 1], dtype=np.uint64)[:, None] * _GOLDEN + point[None, :])  # (2, B)
+        steps = np.arange(1, max(2 * n, m) + 1, dtype=np.uint64) * _GOLDEN
+        x = _mix(np.concatenate([base[0][:, None] + steps[None, : 2 * n], base[1][:, None] + steps[None, :m]], axis=1))
+    u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    return _box_muller(u[:, : 2 * n], n), u[:, 2 * n :]
 
 
 class AcceptanceProcess:
@@ -132,9 +146,7 @@ class AcceptanceProcess:
         """One drafting step of a batch; `requests` (B,) are the requests' keys (default 0..B-1)."""
         b, k, m = len(domains), self.k, self.model
         keys = np.arange(b) if requests is None else np.asarray(requests)
-        point = _point(keys, np.asarray(generated))
-        normals = keyed_normals(self.seed, keys, generated, 2 + k, point)
-        uniforms = keyed_uniforms(self.seed + 1, keys, generated, k, point)
+        normals, uniforms = _keyed_normals_and_uniforms(self.seed, _point(keys, np.asarray(generated)), 2 + k, k)
         try:
             at = np.array([self._index[d] for d in domains], dtype=np.int64)
         except KeyError as missing:
@@ -144,7 +156,7 @@ class AcceptanceProcess:
         hazards = sigmoid(self._curve_rows[at] + z[:, None])
         accept_len = np.cumprod(uniforms < hazards, axis=1).sum(axis=1).astype(np.int64)
         features = np.column_stack([z + normals[:, 1] * m.feature_sd, np.log1p(np.asarray(generated, dtype=np.float64))])
-        confidence = sigmoid(logit(np.clip(hazards, 1e-4, 1 - 1e-4)) + normals[:, 2:] * m.confidence_sd)
+        confidence = sigmoid(logit(clip(hazards, 1e-4, 1 - 1e-4)) + normals[:, 2:] * m.confidence_sd)
         return StepDraw(features, hazards, accept_len, confidence)
 
 

@@ -41,7 +41,7 @@ class EngineSpec(BaseModel):
     tpot_slo_ms: float = Field(default=20.0, gt=0, description="the replica's TPOT SLO (its routing stats' cap)")
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` and `remove` on the batch compare identities
 class SimRequest:
     id: str
     domain: str
@@ -175,24 +175,26 @@ class SimEngine:
         ctl, k = self.ctl, self.k
         n = len(batch)
         ids = [r.id for r in batch]
-        verified = np.zeros(n, dtype=np.int64)
-        accepted = np.zeros(n, dtype=np.int64)
-        emitted = np.zeros(n, dtype=np.int64)
+        verified_, accepted_, emitted_, prefilling_ = [0] * n, [0] * n, [0] * n, [False] * n
         for i, r in enumerate(batch):
             t = tokens[r.id]
-            if r.prefilling:
+            if r.prefilled < r.prefill_target:
                 r.prefilled += t
                 r.kv_tokens += t
-                emitted[i] = int(not r.prefilling)  # the prefill's last chunk samples a token
+                prefilling_[i] = still = r.prefilled < r.prefill_target
+                e = int(not still)  # the prefill's last chunk samples a token
             else:
-                verified[i] = r.verify
-                accepted[i] = min(r.accept_len, r.verify)
-                emitted[i] = accepted[i] + 1
-            emitted[i] = min(emitted[i], r.max_tokens - r.generated)
+                verified_[i] = r.verify
+                accepted_[i] = min(r.accept_len, r.verify)
+                e = accepted_[i] + 1
+            emitted_[i] = min(e, r.max_tokens - r.generated)
+        verified = np.array(verified_, dtype=np.int64)
+        accepted = np.array(accepted_, dtype=np.int64)
         ctl.observe(ids, verified, accepted)
-        generated = np.array([r.generated for r in batch]) + emitted
-        prefilling = np.array([r.prefilling for r in batch])
-        max_width = np.where(prefilling, 0, np.clip(np.array([r.max_tokens for r in batch]) - generated - 1, 0, k))
+        generated_ = [r.generated + e for r, e in zip(batch, emitted_)]
+        generated = np.array(generated_, dtype=np.int64)
+        max_width = np.array([0 if p else min(max(r.max_tokens - g - 1, 0), k)
+                              for r, g, p in zip(batch, generated_, prefilling_)], dtype=np.int64)
         draw = None
         planning = time.perf_counter()
         if not ctl.needs_drafter():
@@ -201,10 +203,10 @@ class SimEngine:
             draft = ctl.plan(ids, None, max_width, generated=generated)
         else:
             draw = self.acceptance.step([r.domain for r in batch], np.array([r.offset for r in batch]), generated,
-                                        np.array([r.key for r in batch]))
+                                        np.array([r.key for r in batch], dtype=np.uint64))
             draft = ctl.plan(ids, draw.features, max_width, generated=generated, context_rows=self.pending_rows)
         self.plan_s += time.perf_counter() - planning
-        drafted = int(np.sum(draft))
+        drafted = int(draft.sum())
         target = sum(tokens.values())
         context_rows = context_ms = 0
         if drafted:
@@ -222,25 +224,27 @@ class SimEngine:
                     r.deferred += tokens[r.id]
         noise = math.exp(self.rng.normal(0.0, self.spec.noise_sd)) if self.spec.noise_sd else 1.0
         period_ms = (self.true_cost.step_ms(n, drafted, target) + context_ms) * noise / speed
-        planned = n + int(verified.sum())
+        planned = n + sum(verified_)
         ctl.observe_step(n, drafted, planned, period_ms, target - planned, context_rows, context_ms)
         end = now + period_ms / 1e3
         result = StepResult(period_ms / 1e3)
-        for i, r in enumerate(batch):
-            if emitted[i]:
+        verify_ = verify.tolist()
+        accept_len = draw.accept_len.tolist() if draw is not None else None
+        for r, e, p, v, i in zip(batch, emitted_, prefilling_, verify_, range(n)):
+            if e:
                 if r.first_token_s is None:
                     r.first_token_s = end
-                elif not prefilling[i]:
+                elif not p:
                     self.decode_s += period_ms / 1e3
-                    self.decode_tokens += int(emitted[i])
+                    self.decode_tokens += e
                     result.decode_ms += period_ms
-                    result.decode_tokens += int(emitted[i])
-                r.generated += int(emitted[i])
-                self.emitted += int(emitted[i])
+                    result.decode_tokens += e
+                r.generated += e
+                self.emitted += e
                 self.outputs += 1
-                r.kv_tokens += int(emitted[i]) if not prefilling[i] else 0
-            r.verify = int(verify[i])
-            r.accept_len = int(draw.accept_len[i]) if draw is not None and verify[i] else 0
+                r.kv_tokens += e if not p else 0
+            r.verify = v
+            r.accept_len = accept_len[i] if accept_len is not None and v else 0
             if r.generated >= r.max_tokens:
                 r.finished_s, r.status = end, 200
                 self.running.remove(r)

@@ -267,10 +267,15 @@ class StepController:
 
     def _observe_gain(self, req_ids: list[str], verified: np.ndarray, accepted: np.ndarray) -> None:
         """The last plan's drafted slots against what became of them (`RealisedGain`)."""
-        where = {r: n for n, r in enumerate(req_ids)}
-        rows = [(m, where[r]) for m, r in enumerate(self._req_ids) if self._draft[m] > 0 and r in where]
-        if rows and len(self._survival) == len(self._req_ids):
-            last, now = (np.array(x) for x in zip(*rows))
+        if len(self._survival) != len(self._req_ids):
+            return
+        if req_ids == self._req_ids:  # the batch planned last step, as it was (most steps)
+            last = now = np.flatnonzero(self._draft > 0)
+        else:
+            where = {r: n for n, r in enumerate(req_ids)}
+            rows = [(m, where[r]) for m, r in enumerate(self._req_ids) if self._draft[m] > 0 and r in where]
+            last, now = (np.array(x, dtype=np.int64) for x in zip(*rows)) if rows else (np.zeros(0, np.int64),) * 2
+        if len(last):
             self.gain.update(self._survival[last], self._draft[last], accepted[now], verified[now])
 
     def plan(

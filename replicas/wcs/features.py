@@ -97,7 +97,8 @@ class AcceptanceTracker:
         has = verified > 0
         if not has.any():  # most steps of a loaded engine: nothing to learn from
             return None
-        rows = [n for n, r in enumerate(req_ids) if verified[n] > 0 and r in self._pending]
+        pending_ = self._pending
+        rows = [n for n, (r, v) in enumerate(zip(req_ids, verified.tolist())) if v > 0 and r in pending_]
         ids = np.array([self.number(r) for r in req_ids], dtype=np.int64)
         self._history.observe(ids[has], verified[has], accepted[has])
         if not rows:
@@ -121,8 +122,9 @@ class AcceptanceTracker:
     def drafted(self, req_ids: list[str], inputs: PreDraftInputs, prior: np.ndarray, confidence: np.ndarray, draft: np.ndarray) -> None:
         """Remember what request i was planned and drafted on until its verdict arrives next step."""
         conf = np.where(np.arange(self.k)[None, :] < np.asarray(draft)[:, None], confidence, np.nan)
-        for n, r in enumerate(req_ids):
-            self._pending[r] = _Pending(inputs.features[n], float(inputs.history[n]), prior[n], conf[n])
+        pending = self._pending
+        for r, f, h, p, c in zip(req_ids, inputs.features, inputs.history.tolist(), prior, conf):
+            pending[r] = _Pending(f, h, p, c)
 
     def live(self) -> list[str]:
         return sorted(set(self._numbers) | set(self._pending))

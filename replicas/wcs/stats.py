@@ -32,8 +32,13 @@ class WCSStats(BaseModel):
                 setattr(self, name, [0] * self.k)
 
     def add_positions(self, name: str, widths: np.ndarray) -> None:
-        counts = (np.asarray(widths)[:, None] > np.arange(self.k)[None, :]).sum(axis=0)
-        setattr(self, name, [a + int(b) for a, b in zip(getattr(self, name), counts)])
+        """Count each request of width w at positions 0..w-1 (widths 0..k)."""
+        widths = np.asarray(widths)
+        if not widths.any():
+            return
+        # Requests wider than j: all of them less those of width <= j.
+        counts = (len(widths) - np.bincount(np.minimum(widths, self.k), minlength=self.k + 1).cumsum()[: self.k]).tolist()
+        setattr(self, name, [a + b for a, b in zip(getattr(self, name), counts)])
 
     @property
     def drafted(self) -> int:

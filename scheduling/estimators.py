@@ -120,6 +120,7 @@ class ContextEstimator(SurvivalEstimator):
         self.weights: np.ndarray | None = None  # (K, P+1), last column is the bias
         self.offset = np.zeros(k)
         self._fill = 0.5
+        self._last: tuple[PreDraftInputs, np.ndarray] | None = None  # hazards of the last inputs, until weights move
 
     def _raw(self, inputs: PreDraftInputs) -> np.ndarray:
         # A missing history is imputed, never flagged: in traces recorded with every request drafting, "no
@@ -154,14 +155,22 @@ class ContextEstimator(SurvivalEstimator):
             self.weights[j] = w
             prev = w
         self.offset[:] = 0.0
+        self._last = None
         return self
 
     def _hazards(self, inputs: PreDraftInputs) -> np.ndarray:
+        """The hazards of `inputs` (the same object, unchanged weights: those computed last; a step's verdict rows
+        are predicted for the recalibrator and then learnt from)."""
+        if self._last is not None and self._last[0] is inputs:
+            return self._last[1]
         if self.weights is None:
             raise RuntimeError("ContextEstimator.fit must run before predict")
         x = self._design(inputs)
         z = x @ self.weights[:, :-1].T + self.weights[:, -1] + self.offset
-        return sigmoid(z)
+        hazards = sigmoid(z)
+        hazards.flags.writeable = False
+        self._last = (inputs, hazards)
+        return hazards
 
     def predict(self, inputs: PreDraftInputs) -> np.ndarray:
         return survival_from_hazards(self._hazards(inputs))
@@ -174,6 +183,7 @@ class ContextEstimator(SurvivalEstimator):
         err = ((acc - self._hazards(inputs)) * at_risk).sum(axis=0)
         # Log-loss gradient w.r.t. each position's bias is (y - p): one SGD step on its batch mean.
         self.offset += self.online_lr * np.divide(err, n, out=np.zeros(self.k), where=n > 0)
+        self._last = None
 
 
 ESTIMATORS: dict[str, type[SurvivalEstimator]] = {

@@ -56,7 +56,7 @@ class Traces:
         for name in ("drafted", "accepted", "request_id"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"{name} must have shape ({n},)")
-        if np.any(self.accepted > self.drafted) or np.any(self.accepted < 0) or np.any(self.drafted > self.k):
+        if (self.accepted > self.drafted).any() or (self.accepted < 0).any() or (self.drafted > self.k).any():
             raise ValueError("need 0 <= accepted <= drafted <= k")
 
     def __len__(self) -> int:

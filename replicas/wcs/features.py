@@ -56,11 +56,13 @@ class FeatureExtractor:
 
 
 @dataclass
-class _Pending:
-    features: np.ndarray
-    history: float
-    prior: np.ndarray  # (K,) the estimator's hazards before drafting
-    confidence: np.ndarray  # (K,) the drafter's max probabilities; NaN past the drafted width
+class _Drafted:
+    """One drafting step's requests, row by row: what each was planned and drafted on."""
+
+    features: np.ndarray  # (B, F)
+    history: np.ndarray  # (B,)
+    prior: np.ndarray  # (B, K) the estimator's hazards before drafting
+    confidence: np.ndarray  # (B, K) the drafter's max probabilities; NaN past the drafted width
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class AcceptanceTracker:
     k: int
     decay: float = 0.7
     _history: AcceptanceHistory = field(init=False)
-    _pending: dict[str, _Pending] = field(default_factory=dict, init=False)
+    _pending: dict[str, tuple[_Drafted, int]] = field(default_factory=dict, init=False)  # request -> (step, row)
     _numbers: dict[str, int] = field(default_factory=dict, init=False)
     _next: int = field(default=0, init=False)
 
@@ -97,23 +99,32 @@ class AcceptanceTracker:
         has = verified > 0
         if not has.any():  # most steps of a loaded engine: nothing to learn from
             return None
-        pending_ = self._pending
-        rows = [n for n, (r, v) in enumerate(zip(req_ids, verified.tolist())) if v > 0 and r in pending_]
+        pending = self._pending
+        found = [(n, pending[r]) for n, (r, v) in enumerate(zip(req_ids, verified.tolist())) if v > 0 and r in pending]
         ids = np.array([self.number(r) for r in req_ids], dtype=np.int64)
         self._history.observe(ids[has], verified[has], accepted[has])
-        if not rows:
+        if not found:
             return None
-        pending = [self._pending[req_ids[n]] for n in rows]
+        rows = [n for n, _ in found]
+        step = found[0][1][0]
+        if all(s is step for _, (s, _) in found):  # drafted in one step (always, unless a verdict was skipped)
+            at = [i for _, (_, i) in found]
+            features, history, prior, confidence = step.features[at], step.history[at], step.prior[at], step.confidence[at]
+        else:
+            features, history, prior, confidence = (
+                np.stack([getattr(s, name)[i] for _, (s, i) in found])
+                for name in ("features", "history", "prior", "confidence")
+            )
         traces = Traces(
-            PreDraftInputs(np.stack([p.features for p in pending]), np.array([p.history for p in pending])),
+            PreDraftInputs(features, history),
             verified[rows].astype(np.int64),
             accepted[rows].astype(np.int64),
             ids[rows],
             self.k,
             FEATURE_NAMES,
-            np.stack([p.confidence for p in pending]),
+            confidence,
         )
-        return Verdicts(traces, np.stack([p.prior for p in pending]))
+        return Verdicts(traces, prior)
 
     def pre_draft(self, req_ids: list[str], features: np.ndarray) -> PreDraftInputs:
         ids = np.array([self.number(r) for r in req_ids], dtype=np.int64)
@@ -122,9 +133,8 @@ class AcceptanceTracker:
     def drafted(self, req_ids: list[str], inputs: PreDraftInputs, prior: np.ndarray, confidence: np.ndarray, draft: np.ndarray) -> None:
         """Remember what request i was planned and drafted on until its verdict arrives next step."""
         conf = np.where(np.arange(self.k)[None, :] < np.asarray(draft)[:, None], confidence, np.nan)
-        pending = self._pending
-        for r, f, h, p, c in zip(req_ids, inputs.features, inputs.history.tolist(), prior, conf):
-            pending[r] = _Pending(f, h, p, c)
+        step = _Drafted(np.asarray(inputs.features), np.asarray(inputs.history, dtype=np.float64), np.asarray(prior), conf)
+        self._pending.update(zip(req_ids, zip([step] * len(req_ids), range(len(req_ids)))))
 
     def live(self) -> list[str]:
         return sorted(set(self._numbers) | set(self._pending))

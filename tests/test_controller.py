@@ -152,3 +152,31 @@ def test_a_return_to_drafting_pays_its_share_of_the_deferred_context_store():
 
     assert drafts(0) and drafts(100)
     assert not drafts(1_000_000)  # 10 s of store: 156 ms a step over 64 steps
+
+
+def test_verdicts_return_each_request_the_rows_it_was_drafted_on_whichever_step_drafted_it():
+    """The tracker gathers a step's verdict rows from the drafting steps' arrays: in one step's order, and row by
+    row where the requests verified now drafted in different steps (a request that skipped a step)."""
+    from replicas.wcs.features import AcceptanceTracker
+    from scheduling.traces import PreDraftInputs
+
+    k = 3
+    tracker = AcceptanceTracker(k)
+
+    def draft(ids: list[str], base: float) -> None:
+        n = len(ids)
+        inputs = PreDraftInputs(base + np.arange(n * 2, dtype=float).reshape(n, 2), base + np.arange(n, dtype=float))
+        prior = np.full((n, k), base / 100)
+        confidence = np.full((n, k), 0.5) + np.arange(n)[:, None] / 10
+        tracker.drafted(ids, inputs, prior, confidence, np.full(n, 2))
+
+    draft(["a", "b", "c"], 10.0)
+    draft(["c", "a"], 20.0)  # b skips this step; c and a draft again
+    v = tracker.verdicts(["b", "a", "c"], np.array([2, 2, 0]), np.array([1, 0, 0]))
+    assert v is not None
+    assert v.rows.inputs.features.tolist() == [[12.0, 13.0], [22.0, 23.0]]  # b's row of the first step, a's of the second
+    assert v.rows.inputs.history.tolist() == [11.0, 21.0]
+    assert v.prior[:, 0].tolist() == [0.1, 0.2]
+    assert np.isnan(v.rows.confidence[:, 2]).all() and v.rows.confidence[:, :2].tolist() == [[0.6, 0.6], [0.6, 0.6]]
+    v = tracker.verdicts(["c", "a"], np.array([2, 1]), np.array([2, 1]))  # both from the second step
+    assert v.rows.inputs.features.tolist() == [[20.0, 21.0], [22.0, 23.0]] and v.rows.accepted.tolist() == [2, 1]

@@ -268,6 +268,7 @@ def test_every_profile_loads_and_prices_steps_monotonically():
     # TP 2 halves the weight read: faster steps than TP 1 on the same GPU
     assert load_profile("h100-8b-tp2").cost.step_ms(1, 0, 1) < load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1)
     assert load_profile("h200-8b-tp1").cost.step_ms(1, 0, 1) < load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1)
+    assert load_profile("h100-8b-tp1").cost.step_ms(1, 0, 1) < load_profile("a100-8b-tp1").cost.step_ms(1, 0, 1)
 
 
 def test_the_vllm_adaptive_budget_is_the_shipped_argmax_over_stale_survivals():

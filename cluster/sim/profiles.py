@@ -2,8 +2,8 @@
 
 - `cpu-embedded`: the real CPU engine's profiled `StepCostModel` (the embedded pair served by
   `forespark serve` on this project's 2-core host, one CPU per replica), committed as profiled.
-- `<gpu>-8b-tp<N>`: an 8B dense target (Qwen3-8B shape) with a 5-layer DFlash drafter (block 16) on H100
-  or H200 at tensor parallelism 1 or 2, built from roofline terms below. Each parameter carries its source.
+- `<gpu>-8b-tp<N>`: an 8B dense target (Qwen3-8B shape) with a 5-layer DFlash drafter (block 16) on A100,
+  H100 or H200 at tensor parallelism 1 or 2, built from roofline terms below. Each parameter carries its source.
 
 A roofline step of the target over N tokens for R requests is
 
@@ -80,6 +80,9 @@ class Efficiency(BaseModel):
 
 
 GPUS = {
+    # The generation before: real fleets keep serving on it beside newer GPUs (its efficiencies taken as the
+    # H100's; Vidur profiles A100 operators in the same ranges).
+    "a100": GPUSpec(name="A100 SXM 80GB", hbm_tb_s=2.039, bf16_tflops=312.0, source="NVIDIA A100 datasheet (SXM4 80GB)"),
     "h100": GPUSpec(name="H100 SXM", hbm_tb_s=3.35, bf16_tflops=989.0, source="NVIDIA H100 datasheet (SXM5)"),
     "h200": GPUSpec(name="H200 SXM", hbm_tb_s=4.8, bf16_tflops=989.0, source="NVIDIA H200 datasheet (SXM)"),
 }

@@ -132,6 +132,12 @@ def test_a_replica_whose_realised_tpot_runs_over_its_model_scores_lower_until_it
     on_model = FleetArrays([base.model_copy(update={"realised_tpot_ms": modelled}), base])  # control: as modelled
     slack = placement_slack(on_model, np.zeros(2), expected_tokens_per_step(on_model, 1.0))
     assert slack[0] == pytest.approx(slack[1])
+    # Within the band the ratio is the forecast's own bias (a WCS replica at its cap reads 1.10-1.15): it moves nothing;
+    # past the band only what lies beyond it counts.
+    for ratio, lower in [(1.15, False), (0.85, False), (1.5, True)]:
+        fleet = FleetArrays([base.model_copy(update={"realised_tpot_ms": ratio * modelled}), base])
+        slack = placement_slack(fleet, np.zeros(2), expected_tokens_per_step(fleet, 1.0))
+        assert (slack[0] < slack[1] - 1.0) if lower else slack[0] == pytest.approx(slack[1]), ratio
 
 
 def test_a_replica_that_ran_is_judged_by_its_measured_tokens_even_when_nothing_was_accepted():

@@ -111,7 +111,7 @@ class ProbeSchedule:
         (predicted, charged), self._charged = self._charged, None
         self.credit_ms -= measured_ms - charged
         ratio = measured_ms / max(predicted, 1e-3)
-        self.overrun = min(max(decay * self.overrun + (1 - decay) * ratio, 1 / MAX_OVERRUN), MAX_OVERRUN)
+        self.overrun = float(min(max(decay * self.overrun + (1 - decay) * ratio, 1 / MAX_OVERRUN), MAX_OVERRUN))
 
     def due(self, req_ids: list[str]) -> np.ndarray:
         """(B,) int64: 1 for the requests due for a probe, else 0."""

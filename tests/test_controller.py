@@ -180,3 +180,40 @@ def test_verdicts_return_each_request_the_rows_it_was_drafted_on_whichever_step_
     assert np.isnan(v.rows.confidence[:, 2]).all() and v.rows.confidence[:, :2].tolist() == [[0.6, 0.6], [0.6, 0.6]]
     v = tracker.verdicts(["c", "a"], np.array([2, 1]), np.array([2, 1]))  # both from the second step
     assert v.rows.inputs.features.tolist() == [[20.0, 21.0], [22.0, 23.0]] and v.rows.accepted.tolist() == [2, 1]
+
+
+def test_tensor_parallel_ranks_whose_probe_rounds_differ_hold_the_same_steps():
+    """Rank 0 decides for every rank (`replicas.wcs.sharing`): whether to hold, and the plan. Each rank prices probe
+    rounds from its own timings; here rank 0 always affords one and rank 1 never does. Rank 1 must judge the shared
+    plan by rank 0's probes too, or it is told to hold where its own count does not allow it (its plan() refused
+    those steps: a flaky `tests/test_wcs_tp.py`)."""
+    from collections import deque
+
+    ranks = []
+    for rank in (0, 1):
+        ctl = StepController(WCSConfig(replan_every=2, replan_max=8), K, ConstantEstimator(K, prior=0.8, prior_weight=100.0), cost=DEAR)
+        ctl.probes.affordable = lambda cost_ms, rank=rank: rank == 0
+        ranks.append(ctl)
+    sent: deque = deque()
+
+    def share(rank: int):
+        def f(value):
+            if rank == 0:
+                sent.append(value)
+                return value
+            return sent.popleft()
+        return f
+
+    ids = [f"r{i}" for i in range(3)]
+    for _ in range(60):
+        holding = ranks[0].holds_no_drafts()  # the runner shares rank 0's decision to hold
+        for rank, ctl in enumerate(ranks):
+            last = ctl._draft if len(ctl._draft) == len(ids) else np.zeros(len(ids), np.int64)
+            ctl.observe(ids, last.copy(), last.copy())
+            draft = ctl.plan(ids, None if holding else np.zeros((len(ids), 8)), np.full(len(ids), K), share=share(rank))
+            if draft.any():
+                ctl.verify(np.full((len(ids), K), 0.9))
+        assert not sent  # every value rank 0 shared, rank 1 took
+    assert ranks[0].stats.held_steps > 20
+    assert ranks[0].stats.held_steps == ranks[1].stats.held_steps
+    assert ranks[0].stats.drafted_per_pos == ranks[1].stats.drafted_per_pos

@@ -368,7 +368,11 @@ class StepController:
                             self.stats.probes += int(due.sum())
                 draft = self._plan.draft
             if share is not None:
-                self._plan, draft = share((self._plan, draft))
+                # The probes too: whether a plan chose to draft nothing (and so whether the next steps hold) counts
+                # the forced probes out, and each rank forces its own (its timings price the rounds). A rank that took
+                # rank 0's plan but judged it by its own probes could be told to hold where its own count did not
+                # allow it, and its plan() then refused every held step.
+                self._plan, draft, probes = share((self._plan, draft, probes))
             # Only a plan that chose to draft nothing holds, not one where no request could draft (prefill).
             # Drafting only the forced probes is still a choice to draft nothing: the hold goes on doubling.
             chosen = draft if probes is None else np.asarray(draft) > probes

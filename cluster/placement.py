@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from replicas.routing_stats import RoutingStats
+from scheduling.survival import clip
 
 class FleetArrays:
     """The stats of a fleet as columns, so that one decision scores every replica in a few numpy operations."""
@@ -121,7 +122,7 @@ def placement_forecast(
     # autoscaler's supply search and a replica whose requests finished since its stats ask), a measured speculation
     # share smaller than the per-request slope times the requests removed would otherwise make the step negative.
     demand = np.maximum(f.spec_ms + n_new * f.spec_request_ms, 0.0)
-    kept = np.minimum(np.maximum((f.cap_ms - base_after) / np.maximum(demand, 1e-9), 0.0), 1.0)
+    kept = clip((f.cap_ms - base_after) / np.maximum(demand, 1e-9), 0.0, 1.0)
     step_after = base_after + kept * demand
     gain = np.maximum(np.asarray(tokens_if_room, dtype=np.float64) - 1.0, 0.0)
     tpot_new = step_after / (1.0 + gain * kept)

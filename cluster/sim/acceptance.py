@@ -101,6 +101,11 @@ def keyed_uniforms(seed: int, request: np.ndarray, position: np.ndarray, n: int,
     with np.errstate(over="ignore"):
         base = _mix(np.uint64(seed) * _GOLDEN + (_point(request, position) if point is None else point))
         x = _mix(base[:, None] + (np.arange(1, n + 1, dtype=np.uint64) * _GOLDEN)[None, :])
+    return _unit(x)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """64-bit hashes as uniforms in (0, 1) (their top 53 bits, centred)."""
     return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
@@ -119,7 +124,7 @@ def _keyed_normals_and_uniforms(seed: int, point: np.ndarray, n: int, m: int) ->
         base = _mix(np.array([seed, seed + 1], dtype=np.uint64)[:, None] * _GOLDEN + point[None, :])  # (2, B)
         steps = np.arange(1, max(2 * n, m) + 1, dtype=np.uint64) * _GOLDEN
         x = _mix(np.concatenate([base[0][:, None] + steps[None, : 2 * n], base[1][:, None] + steps[None, :m]], axis=1))
-    u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    u = _unit(x)
     return _box_muller(u[:, : 2 * n], n), u[:, 2 * n :]
 
 

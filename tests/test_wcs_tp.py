@@ -34,7 +34,16 @@ SCRIPT = textwrap.dedent(
         worker.model_runner.wcs.probes.affordable = (lambda cost_ms: worker.rank == 1)
         return worker.rank
 
+    def break_rank_one(worker):
+        # Rank 1's next step raises in WCS code (vLLM returns only rank 0's exceptions to the engine).
+        if worker.rank == 1:
+            def broken(gone):
+                raise RuntimeError("planted failure on rank 1")
+            worker.model_runner.wcs.finish = broken
+        return worker.rank
+
     def main():
+        import threading
         from vllm import LLM, SamplingParams
         from replicas.engine import EngineConfig, engine_environment
         from replicas.models.workloads import load_workloads
@@ -60,6 +69,15 @@ SCRIPT = textwrap.dedent(
         out["holding"] = [list(o.outputs[0].token_ids) for o in outs]
         out["holding_stats"] = llm.collective_rpc("wcs_stats")
         print("RESULT " + json.dumps(out), flush=True)
+        llm.collective_rpc(break_rank_one)
+        # Without the worker ending itself, rank 0 waits in the step's first collective for good.
+        threading.Timer(180, lambda: (print("BROKEN_RANK hung", flush=True), os._exit(3))).start()
+        try:
+            llm.generate(prompts[:2], params, use_tqdm=False)
+            print("BROKEN_RANK served", flush=True)
+        except Exception as e:
+            print("BROKEN_RANK " + type(e).__name__, flush=True)
+        os._exit(0)
 
     if __name__ == "__main__":
         main()
@@ -86,7 +104,10 @@ def tp_run(tmp_path_factory):
     )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["broken_rank"] = [l.split(" ", 1)[1] for l in proc.stdout.splitlines() if l.startswith("BROKEN_RANK ")]
+    out["stderr"] = proc.stderr
+    return out
 
 
 def test_both_ranks_run_wcs_and_rank_one_predicts_differently(tp_run):
@@ -122,3 +143,11 @@ def test_ranks_hold_on_rank_zeros_decision_where_their_probe_budgets_differ(tp_r
     assert rank0["held_steps"] - before["held_steps"] > 20 and rank0["held_steps"] == rank1["held_steps"]
     assert rank0["drafted_per_pos"] == rank1["drafted_per_pos"]
     assert tp_run["holding"] == tp_run["ar"]
+
+
+def test_a_step_that_fails_on_rank_one_fails_the_engine_instead_of_hanging_it(tp_run):
+    """vLLM's executor returns rank 0's exceptions only; rank 1's were logged and its ranks fell out of step (the
+    controller's plan() raised there every held step, unseen, before ranks took rank 0's probes). The failing
+    worker now ends itself and vLLM's worker monitor fails the engine (`replicas.wcs.sharing.failure_ends_other_ranks`)."""
+    assert tp_run["broken_rank"] == ["EngineDeadError"], tp_run["stderr"][-3000:]
+    assert "planted failure on rank 1" in tp_run["stderr"] and "ending this worker" in tp_run["stderr"]

@@ -31,7 +31,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from replicas.wcs.controller import StepController
 from replicas.wcs.features import FeatureExtractor, distribution_stats
 from replicas.wcs.proposer import RaggedDFlashProposer
-from replicas.wcs.sharing import share_from_first_rank
+from replicas.wcs.sharing import failure_ends_other_ranks, share_from_first_rank
 
 logger = init_logger(__name__)
 
@@ -82,6 +82,7 @@ class WCSRunnerMixin:
     _wcs_fresh: bool = False
     _wcs_holding: bool = False  # this step keeps the last plan's "no drafts" (decided before sampling)
 
+    @failure_ends_other_ranks
     def execute_model(self, scheduler_output, *args, **kwargs):
         counts = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -108,6 +109,7 @@ class WCSRunnerMixin:
         self._wcs_step.runner_ms += (time.perf_counter() - self._wcs_step.start) * 1e3
         return out
 
+    @failure_ends_other_ranks
     def sample_tokens(self, grammar_output):
         self._wcs_fresh = False
         t0 = time.perf_counter()

@@ -9,9 +9,18 @@ rank and the scheduler sends the same verify work to every rank.)
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+import functools
+import logging
+import os
+import sys
+from typing import Any, Callable, Protocol, TypeVar
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+logger = logging.getLogger(__name__)
+
+RANK_FAILURE_EXIT_CODE = 70  # a worker that ends itself after a failed step (EX_SOFTWARE)
 
 
 class Group(Protocol):
@@ -29,3 +38,34 @@ def share_from_first_rank(value: T, group: Group | None = None) -> T:
     if group.world_size == 1:
         return value
     return group.broadcast_object(value, src=0)
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    return get_tp_group().rank_in_group if model_parallel_is_initialized() else 0
+
+
+def failure_ends_other_ranks(method: F, rank: Callable[[], int] = _tensor_parallel_rank) -> F:
+    """A step that raises on a rank other than the first ends that rank's process.
+
+    vLLM's multiprocess executor returns only the output rank's exceptions; another rank's are logged and its
+    RPC loop goes on to the next step, out of step with the rest of the group (the next collective hangs, or the
+    ranks draft different widths). A worker process that dies is what vLLM's worker monitor turns into a failed
+    engine, so the failure reaches the clients and the replica's health check instead of a hang. The first
+    rank's exceptions travel as vLLM sends them.
+    """
+
+    @functools.wraps(method)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except Exception:
+            r = rank()
+            if r == 0:
+                raise
+            logger.exception("a WCS step failed on tensor-parallel rank %d: ending this worker so that the engine fails", r)
+            sys.stderr.flush()
+            os._exit(RANK_FAILURE_EXIT_CODE)
+
+    return guarded  # type: ignore[return-value]

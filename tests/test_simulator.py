@@ -177,6 +177,43 @@ def test_one_engine_at_constant_cost_and_acceptance_runs_the_closed_form_tokens_
     assert abs(now - steps * 0.010) < 1e-6  # every step cost the constant 10 ms
 
 
+def test_an_engine_out_of_kv_blocks_preempts_its_newest_request_which_prefills_again_and_finishes():
+    """vLLM's recompute preemption: when a running request cannot grow, the newest running one gives its blocks back,
+    goes first in the queue and later prefills its prompt and what it had generated. Control: with blocks to spare
+    the same requests run through without a preemption."""
+    k, model = 4, AcceptanceModel(name="flat", domains={"code": DomainAcceptance(first=0.8, slope=0.0, request_sd=0.0,
+                                                                                      step_sd=0.0)}, source="test")
+    cost = StepCostModel.linear(intercept_ms=10.0, per_request_ms=0.0, per_draft_ms=0.0, per_target_ms=0.0)
+
+    def run(kv_blocks: int) -> tuple[SimEngine, list[SimRequest]]:
+        ctl = make_controller(FleetConfig(policy="static", online_cost=False), k, _fitted(model, k), seed=0)
+        ctl.cost = cost
+        engine = SimEngine("e", EngineSpec(noise_sd=0.0, kv_blocks=kv_blocks, block_size=16), ctl, cost, 0.0,
+                           AcceptanceProcess(model, k, seed=3))
+        requests = [SimRequest(id=f"r{i}", domain="code", prompt_tokens=64, max_tokens=96, arrival_s=0.0) for i in range(4)]
+        for r in requests:
+            engine.add(r)
+        now, done = 0.0, []
+        for _ in range(2000):
+            result = engine.step(now)
+            done += result.finished
+            now += result.duration_s
+            assert engine.free_blocks + sum(r.blocks for r in engine.running) == kv_blocks  # no block lost or doubled
+            if len(done) == len(requests):
+                break
+        return engine, done
+
+    # A request peaks at (64 + 96 + k) tokens = 11 blocks; 4 of them need 44, and 30 hold two and a bit.
+    tight, done = run(30)
+    assert sorted(r.id for r in done) == ["r0", "r1", "r2", "r3"] and all(r.generated == r.max_tokens for r in done)
+    assert tight.free_blocks == 30 and not tight.running and not tight.waiting
+    preempted = [r for r in done if r.preemptions]
+    assert preempted and "r0" not in {r.id for r in preempted}  # the oldest is never the newest
+    assert all(r.prefill_target > r.prompt_tokens for r in preempted)  # it prefilled what it had generated as well
+    roomy, done = run(65536)
+    assert len(done) == 4 and not any(r.preemptions for r in done)
+
+
 def _fitted(model: AcceptanceModel, k: int):
     from scheduling.calibration import PostDraftCalibrator
     from scheduling.estimators import ESTIMATORS

@@ -139,18 +139,19 @@ class SimEngine:
 
     def _schedule(self) -> dict[str, int]:
         budget, tokens = self.spec.max_num_batched_tokens, {}
-        for r in list(self.running):
-            if r not in self.running:  # preempted below for an older request
-                continue
-            want = min(r.prefill_target - r.prefilled, budget) if r.prefilling else 1 + r.verify
-            want = min(want, budget)
+        running, i = self.running, 0
+        while i < len(running):  # preemption takes the newest, so the requests before i stay where they are
+            r = running[i]
+            i += 1
+            prefilling = r.prefilled < r.prefill_target
+            want = min(r.prefill_target - r.prefilled if prefilling else 1 + r.verify, budget)
             while want and not self._grow(r, want):
-                newest = self.running[-1]
+                newest = running[-1]
                 self._preempt(newest)
                 if newest is r:
                     want = 0
             if want:
-                if not r.prefilling:
+                if not prefilling:
                     r.verify = min(r.verify, want - 1)
                 tokens[r.id] = want
                 budget -= want

@@ -35,6 +35,11 @@ def test_a_small_validation_runs_the_real_stack_and_the_simulator_on_the_same_re
     assert other.profile == "cpu-embedded" and other.cases[0].sim != case.sim  # control: another profile, other figures
     with pytest.raises(ValueError, match="fresh-profile"):  # a fresh profile for runs measured with another: refused
         validate(["wcs"], [2.0], load, slo, replicas=1, seed=3, work=tmp_path, fresh_profile=True, log=lambda _: None)
+    # Two repeats: the runs above are reused, one more of the case and of the calibration measured (seeds 4 and 1004).
+    twice = validate(["wcs"], [2.0], load, slo, replicas=1, port=free_port(), seed=3, work=tmp_path, repeats=2, log=lambda _: None)
+    (case2,) = twice.cases
+    assert len(case2.repeats) == 2 and case2.repeats[0]["real"] == case.real and case2.requests > case.requests
+    assert (tmp_path / "wcs" / "rate-2-seed-4").is_dir() and (tmp_path / "wcs" / "rate-2-seed-1004").is_dir()
 
 
 def test_the_real_servers_run_the_policy_with_admission_off():
@@ -42,3 +47,22 @@ def test_the_real_servers_run_the_policy_with_admission_off():
     app = AppConfig.model_validate(real_app_config("dspark", 2, SLOConfig(ttft_ms=1000.0, tpot_ms=20.0)))
     assert not app.router.admission.enabled and app.replica.num_replicas == 2
     assert app.replica.engine.wcs.policy == "dspark" and app.replica.tpot_slo_ms == 20.0
+
+
+def test_repeats_compare_medians_so_one_run_the_host_slowed_moves_the_case_no_further_than_the_next_run():
+    from cluster.sim.validate import case_from_repeats
+
+    def figures(tpot: float) -> dict:
+        return {k: (tpot if k.startswith("tpot") else 1.0) for k in METRICS}
+
+    sim = figures(5.0)
+    runs = [(100, figures(5.2), sim), (100, figures(7.5), sim), (100, figures(4.9), sim)]  # the second run: a slow host
+    case = case_from_repeats("ar", 5.0, runs)
+    assert case.real["tpot_p50"] == 5.2 and case.requests == 300 and len(case.repeats) == 3
+    assert case.error["tpot_p50"] == pytest.approx(0.2 / 5.2)
+    # Control: the slow run alone, as one run compared, is 33% off.
+    alone = case_from_repeats("ar", 5.0, runs[1:2])
+    assert alone.error["tpot_p50"] == pytest.approx(2.5 / 7.5) and alone.repeats == []
+    # Each side's median is taken apart: simulated figures from each repeat's own arrivals.
+    mixed = case_from_repeats("ar", 5.0, [(1, figures(5.0), figures(4.0)), (1, figures(6.0), figures(9.0)), (1, figures(7.0), figures(5.0))])
+    assert mixed.real["tpot_p90"] == 6.0 and mixed.sim["tpot_p90"] == 5.0

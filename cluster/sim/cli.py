@@ -310,7 +310,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                           real_compare=Path(args.real_compare) if args.real_compare else None, calibration_rate=args.calibration_rate,
                           calibration_policy=args.calibration_policy, work=Path(args.reuse) if args.reuse else None,
                           host=ValidateResult.model_validate_json(Path(args.host_from).read_text()).host if args.host_from else None,
-                          profile=args.profile, fresh_profile=args.fresh_profile)
+                          profile=args.profile, fresh_profile=args.fresh_profile, repeats=args.repeats)
     except ValueError as e:  # (--fresh-profile with nothing to measure, a profile that does not fit the traces)
         print(f"forespark simulate validate: {e}", file=sys.stderr)
         return 2
@@ -431,6 +431,8 @@ def add_parser(sub) -> None:
                      "real runs in the --reuse folder, else this host's, copied there)")
     val.add_argument("--fresh-profile", action="store_true", help="remove this host's cached profile of the replicas first, so "
                      "the first real server profiles its engine afresh (quiet host)")
+    val.add_argument("--repeats", type=int, default=1, help="real runs per case and for the calibration, seeds one apart; "
+                     "medians compared (a single run on a shared host can be 10-50%% off the next)")
     val.add_argument("--real-compare", metavar="PATH", help="a `forespark compare` JSON whose policy ordering the simulator must match")
     val.add_argument("--json", metavar="PATH")
     val.set_defaults(func=cmd_validate)

@@ -40,18 +40,38 @@ def relative_errors(real: dict, sim: dict) -> dict[str, float | None]:
 
 
 class Case(BaseModel):
+    """One (policy, rate): with repeats, `real` and `sim` are each metric's median over the repeats' runs (each repeat
+    simulated on its own arrivals) and `requests` their total; `repeats` holds every run's own figures."""
+
     policy: str
     rate: float
     requests: int
     real: dict[str, float | None]
     sim: dict[str, float | None]
     error: dict[str, float | None]
+    repeats: list[dict[str, dict[str, float | None]]] = []
+
+
+def _median(values: list[float | None]) -> float | None:
+    given = [v for v in values if v is not None]
+    return float(np.median(given)) if given else None
+
+
+def case_from_repeats(policy: str, rate: float, runs: list[tuple[int, dict[str, float | None], dict[str, float | None]]]) -> Case:
+    """A case from its repeats' (requests, real, simulated) figures: each side's median per metric, then their error. A
+    run the host slowed as a whole (both replicas at once, for half a minute: docs/results.md) moves the median of
+    three no further than the next run."""
+    real = {k: _median([r[k] for _, r, _ in runs]) for k in METRICS}
+    sim = {k: _median([m[k] for _, _, m in runs]) for k in METRICS}
+    return Case(policy=policy, rate=rate, requests=sum(n for n, _, _ in runs), real=real, sim=sim,
+                error=relative_errors(real, sim),
+                repeats=[{"real": r, "sim": m} for _, r, m in runs] if len(runs) > 1 else [])
 
 
 class HostFit(BaseModel):
-    """What the host adds beyond the profiled engines, fitted on one real run (the calibration case): the serving
-    path's CPU per output event on the cores the engines share (`HostModel`), and the HTTP path's time to a
-    first token."""
+    """What the host adds beyond the profiled engines, fitted on one real run (the calibration case; with repeats,
+    the median of each run's fit): the serving path's CPU per output event on the cores the engines share
+    (`HostModel`), and the HTTP path's time to a first token."""
 
     cores: float
     event_cpu_ms: float
@@ -196,10 +216,12 @@ def ordering_matches(real: dict[str, float], sim: dict[str, float]) -> bool:
 def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo: SLOConfig, replicas: int = 2,
              port: int = 8100, seed: int = 0, real_compare: Path | None = None, work: Path | None = None,
              calibration_rate: float | None = None, calibration_policy: str | None = None, host: HostFit | None = None,
-             profile: str | None = None, fresh_profile: bool = False, log=print) -> ValidateResult:
+             profile: str | None = None, fresh_profile: bool = False, repeats: int = 1, log=print) -> ValidateResult:
     """The cases are every (policy, rate) at `seed`; the host overheads are fitted on one more real run of
     `calibration_policy` (default `ar`, whose steps hold no acceptance to get wrong, else the first policy) at
-    `calibration_rate` (default the middle rate) with another seed, which no case shares. `work` may hold an
+    `calibration_rate` (default the middle rate) with another seed, which no case shares. `repeats` > 1 runs each
+    case and the calibration that many times (seeds `seed`, `seed + 1`, ...; `seed + 1000`, ...) and compares
+    medians (`case_from_repeats`): one real run is as far as 10-50% from the next on these hosts. `work` may hold an
     earlier validation's real runs, which are reused. `host`: a fit from another validation, used as it is (no
     calibration run): the strictest test of settings the model was not fitted on.
 
@@ -213,9 +235,12 @@ def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo:
     traces = WEIGHTS_DIR / "traces.npz"
     work = work or Path(tempfile.mkdtemp(prefix="forespark-validate-"))
     cal_policy = calibration_policy or ("ar" if "ar" in policies else policies[0])
-    calibration = (cal_policy, calibration_rate or sorted(rates)[len(rates) // 2], seed + 1000)
-    cases_runs = [(p, r, seed) for p in policies for r in rates]
-    wanted = ([] if host else [calibration]) + cases_runs
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, not {repeats}")
+    cal_rate = calibration_rate or sorted(rates)[len(rates) // 2]
+    calibrations = [(cal_policy, cal_rate, seed + 1000 + k) for k in range(repeats)]
+    cases_runs = [(p, r, seed + k) for p in policies for r in rates for k in range(repeats)]
+    wanted = ([] if host else calibrations) + cases_runs
     stored = work / "profile.json"
     if fresh_profile:
         if all(measured(work, *run) for run in wanted):
@@ -232,19 +257,26 @@ def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo:
         profile = str(stored)
     base = FleetConfig(replicas=replicas, profile=profile, traces=traces)
     if host is None:
-        cal_policy, cal_rate, cal_seed = calibration
-        host = fit_host(base, runs.pop(calibration), load.model_copy(update={"rate": cal_rate, "seed": cal_seed}), slo, cal_seed, cal_policy)
-        log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {cal_seed}: {host.event_cpu_ms:.2f} ms of CPU per output event "
-            f"on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
+        fits = [fit_host(base, runs.pop(run), load.model_copy(update={"rate": run[1], "seed": run[2]}), slo, run[2], run[0])
+                for run in calibrations]
+        host = fits[0].model_copy(update={"event_cpu_ms": float(np.median([f.event_cpu_ms for f in fits])),
+                                          "request_ms": float(np.median([f.request_ms for f in fits]))})
+        log(f"host fitted on {cal_policy} at {cal_rate:g} req/s, seed {host.seed}{f' and {repeats - 1} more' if repeats > 1 else ''}: "
+            f"{host.event_cpu_ms:.2f} ms of CPU per output event on {host.cores:g} cores, {host.request_ms:.1f} ms per request")
     base = base.model_copy(update=host.fleet_update())
     cases = []
-    for (policy, rate, _), rows in runs.items():
-        real = build_report(rows, slo, rate, load.duration_s)
-        sim = simulate_rows(variant_fleet(base, SIM_VARIANTS[policy], slo), rows, load.model_copy(update={"rate": rate}), slo, seed)
-        case = Case(policy=policy, rate=rate, requests=len(rows), real=metrics(real), sim=metrics(sim),
-                    error=relative_errors(metrics(real), metrics(sim)))
-        log(format_case(case))
-        cases.append(case)
+    for policy in policies:
+        for rate in rates:
+            measured_runs = []
+            for k in range(repeats):
+                rows = runs[(policy, rate, seed + k)]
+                real = build_report(rows, slo, rate, load.duration_s)
+                sim = simulate_rows(variant_fleet(base, SIM_VARIANTS[policy], slo), rows, load.model_copy(update={"rate": rate}), slo,
+                                    seed + k)
+                measured_runs.append((len(rows), metrics(real), metrics(sim)))
+            case = case_from_repeats(policy, rate, measured_runs)
+            log(format_case(case))
+            cases.append(case)
     median = {k: (float(np.median(v)) if (v := [c.error[k] for c in cases if c.error[k] is not None]) else None) for k in METRICS}
     ordering: dict[str, dict[str, float]] = {}
     matches = None

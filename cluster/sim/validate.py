@@ -267,17 +267,17 @@ def validate(policies: list[str], rates: list[float], load: LoadTestConfig, slo:
     cases = []
     for policy in policies:
         for rate in rates:
+            fleet, rate_load = variant_fleet(base, SIM_VARIANTS[policy], slo), load.model_copy(update={"rate": rate})
             measured_runs = []
             for k in range(repeats):
                 rows = runs[(policy, rate, seed + k)]
                 real = build_report(rows, slo, rate, load.duration_s)
-                sim = simulate_rows(variant_fleet(base, SIM_VARIANTS[policy], slo), rows, load.model_copy(update={"rate": rate}), slo,
-                                    seed + k)
+                sim = simulate_rows(fleet, rows, rate_load, slo, seed + k)
                 measured_runs.append((len(rows), metrics(real), metrics(sim)))
             case = case_from_repeats(policy, rate, measured_runs)
             log(format_case(case))
             cases.append(case)
-    median = {k: (float(np.median(v)) if (v := [c.error[k] for c in cases if c.error[k] is not None]) else None) for k in METRICS}
+    median = {k: _median([c.error[k] for c in cases]) for k in METRICS}
     ordering: dict[str, dict[str, float]] = {}
     matches = None
     if real_compare is not None:

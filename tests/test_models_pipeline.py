@@ -161,7 +161,11 @@ def test_corpus_refuses_a_version_other_than_the_pinned_one(site):
 
 
 def test_named_specs():
-    assert load_spec("shipped") == BuildSpec()  # what replicas/models/weights was built with
+    from replicas.models.build import WEIGHTS_DIR, BuildReport
+
+    shipped = BuildReport.model_validate_json((WEIGHTS_DIR / "build_report.json").read_text()).spec
+    assert load_spec("shipped") == shipped  # what replicas/models/weights was built with
+    assert load_spec("first") == BuildSpec()  # the first pair: the defaults that tiny test specs inherit
     nxt = load_spec("next")
     assert nxt.corpus.packages and all("==" in p for p in nxt.corpus.packages)
     assert nxt.train.distill_sampled_share > 0 and nxt.drafter.causal

@@ -141,9 +141,10 @@ def check_resumable(state: dict, spec: BuildSpec) -> None:
     setting until the polish stage starts (a finished build takes it on)."""
     saved = BuildSpec.model_validate(state["spec"])
     diffs = {d.split(":")[0]: d for d in _spec_differences(saved, spec)}
-    # bfloat16 autocast is a speed setting (emulated, ~10x slower, on a CPU without AVX512-BF16): any resume may change it.
+    # bfloat16 autocast is a speed setting (emulated, ~10x slower, on a CPU without AVX512-BF16) and the weights' storage
+    # type applies to the finished models only: any resume may change either.
     other = [d for k, d in diffs.items()
-             if k not in ("train.target_steps", "train.bf16_autocast") and not _drafter_phase_setting(k) and not k.startswith("polish.")]
+             if k not in ("train.target_steps", "train.bf16_autocast", "weights_dtype") and not _drafter_phase_setting(k) and not k.startswith("polish.")]
     if other:
         raise ValueError("the checkpoint was written under another spec: " + "; ".join(other))
     phase = state["phase"]
@@ -617,7 +618,13 @@ def build(
                 drafter.load_state_dict(polished["drafter"]["weights"])
                 drafter.eval()
             drafter_losses = drafter_losses + list(polished["drafter"]["losses"])
+    if spec.weights_dtype != "float32":
+        round_weights(target, spec.weights_dtype)
+        round_weights(drafter, spec.weights_dtype)
+        target.save_pretrained(str(out_dir / "target"), safe_serialization=True)
     drafter.save(out_dir / "drafter", vocab_size=spec.target.vocab_size, mask_token_id=mask_id, max_positions=spec.target.max_positions)
+    for part in ("target", "drafter"):
+        store_weights(out_dir / part / "model.safetensors", spec.weights_dtype)
 
     mark = time.time()
     quality = evaluate_models(target, drafter, streams, spec, mask_id)
@@ -639,6 +646,27 @@ def build(
     write_checksums(out_dir)
     record({"event": "done", "out": str(out_dir)})
     return report
+
+
+@torch.no_grad()
+def round_weights(model: torch.nn.Module, dtype: str) -> None:
+    """Round `model`'s float32 parameters to `dtype`'s values in place (they stay float32 tensors)."""
+    for p in model.parameters():
+        p.copy_(p.to(getattr(torch, dtype)).float())
+
+
+def store_weights(path: Path, dtype: str) -> None:
+    """Rewrite a safetensors file with its floating-point tensors stored as `dtype` (exact after `round_weights`)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    want = getattr(torch, dtype)
+    if all(t.dtype == want or not t.is_floating_point() for t in tensors.values()):
+        return
+    save_file({k: t.to(want) if t.is_floating_point() else t for k, t in tensors.items()}, str(path), metadata=metadata)
 
 
 @torch.no_grad()

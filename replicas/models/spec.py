@@ -182,16 +182,19 @@ class BuildSpec(BaseModel):
     drafter: DrafterSpec = Field(default_factory=DrafterSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     polish: PolishSpec = Field(default_factory=PolishSpec)
+    weights_dtype: Literal["float32", "float16"] = Field(
+        default="float32", description="how the finished weights are stored (and evaluated): float16 halves the files; "
+        "the models are rounded to it before the build's evaluation, so its report describes what is served",
+    )
 
 
 def load_spec(name_or_path: str) -> BuildSpec:
-    """`shipped` (the defaults, what replicas/models/weights holds), a name under specs/, or a JSON file."""
-    if name_or_path == "shipped":
-        return BuildSpec()
+    """A name under specs/ (`shipped`: what replicas/models/weights holds; `first`: the first pair, the defaults),
+    or a JSON file."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = SPECS_DIR / f"{name_or_path}.json"
     if not path.is_file():
-        names = ", ".join(["shipped"] + sorted(p.stem for p in SPECS_DIR.glob("*.json")))
+        names = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.json")))
         raise FileNotFoundError(f"no build spec {name_or_path!r} (named specs: {names}; or a JSON file)")
     return BuildSpec.model_validate(json.loads(path.read_text()))

@@ -13,7 +13,7 @@ Only settings the user did not give (absent from the file and the command line) 
 | replica.num_cpus | max(1, CPUs / replicas) | min(4, CPUs / replicas) |
 | engine.dtype | EngineConfig's (float32) | bfloat16 |
 | engine.enforce_eager | EngineConfig's (true) | false |
-| engine KV size | kv_cache_memory_bytes (256 MiB) | gpu_memory_utilization 0.9 (per GPU) |
+| engine KV size | kv_cache_memory_bytes (512 MiB) | gpu_memory_utilization 0.9 (per GPU) |
 
 On a GPU host each replica gets its GPUs through `engine_deployment_options` (cluster/app.py): one GPU for
 TP 1, one placement-group bundle per tensor-parallel rank otherwise. A host with fewer GPUs than one

@@ -47,7 +47,7 @@ class DrafterConfig(BaseModel):
     method: str = "dflash"
     num_speculative_tokens: int = Field(default=8, ge=1, description="widest draft (the drafter's block)")
     draft_sample_method: Literal["greedy", "probabilistic"] = Field(
-        default="greedy", description="vLLM's: drafts are the drafter's argmax (sampled verification then accepts a draft "
+        default="probabilistic", description="vLLM's: drafts are the drafter's argmax (sampled verification then accepts a draft "
         "with the target's probability of it), or sampled from the drafter with its probabilities in the ratio test "
         "(accepts the overlap of the two distributions)",
     )
@@ -62,7 +62,7 @@ class EngineConfig(BaseModel):
     max_model_len: int = 1024
     max_num_seqs: int = 64
     kv_cache_memory_bytes: int | None = Field(
-        default=256 << 20, gt=0,
+        default=512 << 20, gt=0,
         description="KV cache bytes per worker (per GPU under tensor parallelism); the CPU build needs it, else it takes most of RAM",
     )
     gpu_memory_utilization: float | None = Field(

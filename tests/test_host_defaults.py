@@ -50,8 +50,8 @@ def test_no_gpu_gives_the_cpu_default_unchanged():
     for cpus, replicas in ((2, 2), (16, 8)):
         rc = resolve_app_config({}, host(0, cpus=cpus)).replica
         assert (rc.accelerator, rc.num_replicas, rc.num_cpus) == ("cpu", replicas, max(1.0, cpus / replicas))
-        assert rc.engine == EngineConfig()  # float32, eager, 256 MiB of KV: the embedded CPU engine as before
-        assert rc.engine.vllm_kwargs()["kv_cache_memory_bytes"] == 256 << 20
+        assert rc.engine == EngineConfig()  # float32, eager, 512 MiB of KV: the embedded CPU engine as before
+        assert rc.engine.vllm_kwargs()["kv_cache_memory_bytes"] == 512 << 20
         assert "gpu_memory_utilization" not in rc.engine.vllm_kwargs()
     # the replica count the user gives keeps the CPU share rule
     assert resolve_app_config({}, host(0, cpus=16), {"replica": {"num_replicas": 4}}).replica.num_cpus == 4.0
@@ -92,7 +92,7 @@ def test_tp_that_does_not_divide_the_gpus_floors_with_a_warning_and_too_few_gpus
 
 
 def test_engine_kv_size_is_exactly_one_of_bytes_or_memory_share():
-    assert EngineConfig().kv_cache_memory_bytes == 256 << 20
+    assert EngineConfig().kv_cache_memory_bytes == 512 << 20
     share = EngineConfig(gpu_memory_utilization=0.8)
     assert share.kv_cache_memory_bytes is None
     assert EngineConfig.model_validate(share.model_dump()) == share  # round trip
@@ -105,9 +105,10 @@ def test_engine_kv_size_is_exactly_one_of_bytes_or_memory_share():
 
 
 def test_the_draft_sampling_setting_reaches_vllm():
-    sampled = EngineConfig(wcs=None, drafter={"draft_sample_method": "probabilistic"})
-    assert sampled.vllm_kwargs()["speculative_config"]["draft_sample_method"] == "probabilistic"
-    assert EngineConfig(wcs=None).vllm_kwargs()["speculative_config"]["draft_sample_method"] == "greedy"  # control
+    argmax = EngineConfig(wcs=None, drafter={"draft_sample_method": "greedy"})
+    assert argmax.vllm_kwargs()["speculative_config"]["draft_sample_method"] == "greedy"
+    # the default: sampled requests draw drafts from the drafter (what acceptance at T=1 needs)
+    assert EngineConfig(wcs=None).vllm_kwargs()["speculative_config"]["draft_sample_method"] == "probabilistic"
 
 
 def test_nvidia_smi_listing_and_detection_never_fail(monkeypatch):
@@ -187,7 +188,7 @@ def test_serve_dry_run_without_gpus_is_the_cpu_default(cli):
     report = yaml.safe_load(out)
     replica = report["app"]["replica"]
     assert (replica["accelerator"], replica["num_replicas"], replica["engine"]["dtype"]) == ("cpu", 3, "float32")
-    assert replica["engine"]["kv_cache_memory_bytes"] == 256 << 20 and replica["engine"]["gpu_memory_utilization"] is None
+    assert replica["engine"]["kv_cache_memory_bytes"] == 512 << 20 and replica["engine"]["gpu_memory_utilization"] is None
     assert report["engine_deployment"] == {"num_replicas": 3, "ray_actor_options": {"num_cpus": max(1.0, (os.cpu_count() or 1) / 3)}}
     assert "secret" not in out  # the API key is not printed
 

@@ -31,9 +31,15 @@ def test_a_changed_weight_file_is_detected(tmp_path):
     assert verify_checksums(copy) == ["drafter/model.safetensors"]
 
 
-def test_weights_are_small():
-    total = sum(p.stat().st_size for p in WEIGHTS_DIR.rglob("*.safetensors"))
-    assert total <= 30 * 2**20
+def test_weights_are_small_and_stored_as_their_spec_says(report):
+    from safetensors import safe_open
+
+    files = list(WEIGHTS_DIR.rglob("*.safetensors"))
+    assert sum(p.stat().st_size for p in files) <= 40 * 2**20  # float16: 32 MiB for 16.8M parameters
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F16"}, path
+    assert report.spec.weights_dtype == "float16"
 
 
 def test_target_beats_unigram_on_held_out_text(report):

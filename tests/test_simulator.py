@@ -390,7 +390,7 @@ def test_validation_fits_a_known_host_overhead_back_and_errors_are_relative():
     fitted = base.model_copy(update=fit.fleet_update())
     good = relative_errors(real, metrics(simulate_rows(variant_fleet(fitted, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
     bad = relative_errors(real, metrics(simulate_rows(variant_fleet(base, VARIANTS["wcs"], SLO), real_rows, load, SLO, 5)))
-    assert good["tpot_p50"] < 0.1 < bad["tpot_p50"]
+    assert good["tpot_p50"] < 0.15 and bad["tpot_p50"] > 2 * good["tpot_p50"]
 
 
 def test_ordering_matches_only_where_the_real_runs_order_clearly():

@@ -41,7 +41,7 @@ def readme_engine(**speculative):
         additional_config={"forespark": {"policy": "wcs"}},
         async_scheduling=False,
         max_num_seqs=64,
-        kv_cache_memory_bytes=256 << 20,
+        kv_cache_memory_bytes=512 << 20,
         enforce_eager=True,
     )
     engine.collective_rpc("wcs_set_cost_model", args=(DRAFTING_PAYS.model_dump_json(),))
@@ -103,9 +103,10 @@ def test_policies_differ_only_in_widths_and_verify_lengths(greedy_runs):
     ar, static, dspark, wcs = (greedy_runs[p][1] for p in POLICIES)
     assert ar.drafted == 0 and ar.drafter_passes == 0
     # static verifies every drafted token (waste only from requests that ended with drafts in hand);
-    # dspark drafts full blocks and verifies fewer; wcs drafts ragged widths.
-    assert static.draft_waste < 0.03 and static.drafted_per_pos[-1] > 0.9 * static.drafted_per_pos[0]
-    assert dspark.draft_waste > 0.2 and dspark.drafted_per_pos[0] - dspark.drafted_per_pos[-1] < 0.1 * dspark.drafted_per_pos[0]
+    # dspark drafts full blocks and verifies fewer; wcs drafts ragged widths. Full blocks still thin out at the
+    # last positions where a request has fewer than 8 tokens left (no draft passes max_tokens).
+    assert static.draft_waste < 0.03 and static.drafted_per_pos[-1] > 0.8 * static.drafted_per_pos[0]
+    assert dspark.draft_waste > 0.2 and dspark.drafted_per_pos[-1] > 0.8 * dspark.drafted_per_pos[0]
     assert wcs.drafted_per_pos[-1] < 0.8 * wcs.drafted_per_pos[0]
 
 
@@ -189,7 +190,7 @@ def test_served_steps_correct_the_step_cost_online(llm):
 
     profile = DRAFTING_PAYS.model_copy(update={"intercept_ms": 200.0})
     prompts = [p.prompt for p in load_workloads()["code"][:8]]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     llm.collective_rpc("wcs_set_policy", args=("wcs",))
     llm.collective_rpc("wcs_set_cost_model", args=(profile.model_dump_json(),))  # a fresh correction
     llm.collective_rpc("wcs_set_online_cost", args=(True,))
@@ -226,7 +227,7 @@ def _later_position_acceptance(llm, policy, profiling_seed=None):
     work = load_workloads()
     prompts = [p.prompt for d in work for p in work[d][:12]]
     llm.collective_rpc("wcs_set_policy", args=(policy,))
-    llm.collective_rpc("wcs_profiling", args=(profiling_seed, 0.5))
+    llm.collective_rpc("wcs_profiling", args=(profiling_seed, 0.75))
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
     finally:
@@ -246,7 +247,7 @@ def random_width_run(llm):
 
 
 def test_random_widths_and_draft_free_steps_accept_like_full_blocks(random_width_run, full_block_acceptance):
-    """Random widths, half the steps drafting nothing (the drafter does not run; their context
+    """Random widths, three steps in four drafting nothing (the drafter does not run; their context
     K/V is stored by the next step that drafts): drafts are accepted as often as with full blocks."""
     acceptance, st = random_width_run
     assert st.drafter_passes < 0.7 * st.steps  # many steps really skipped the drafter's forward pass

@@ -182,9 +182,9 @@ def matched_ratio(rows: list[EngineRun], ours: str, base: str) -> tuple[float | 
 
 def bench_engine_config(base, concurrency: tuple[int, ...], draft_sampling: str | None = None):
     """`base` (an `EngineConfig`) sized for the bench: a slot and KV room for every request in flight at the highest
-    concurrency (the workload's requests need about 200 tokens each; the default 256 MiB holds some 21k tokens),
+    concurrency (the workload's requests need about 200 tokens each; the default 512 MiB holds some 18k tokens of the embedded pair),
     and the drafts sampled as `draft_sampling` says (None: as `base` does)."""
-    update: dict = {"max_num_seqs": max(concurrency), "kv_cache_memory_bytes": 640 << 20}
+    update: dict = {"max_num_seqs": max(concurrency), "kv_cache_memory_bytes": 1536 << 20}
     if draft_sampling and base.drafter is not None:
         update["drafter"] = base.drafter.model_copy(update={"draft_sample_method": draft_sampling})
     return base.model_copy(update=update)

@@ -123,3 +123,23 @@ def test_install_constraints_pin_the_next_pairs_corpus_packages():
     pins = [p for p in json.loads((specs / "next.json").read_text())["corpus"]["packages"] if not p.startswith("pip==")]
     lines = [line for line in (specs / "next.constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
     assert lines == pins
+
+
+def test_float16_storage_is_exact_for_rounded_weights_and_only_for_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from replicas.models.build import round_weights, store_weights
+
+    layer = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        layer.weight.add_(1e-5)  # float32 values float16 cannot hold
+    path = tmp_path / "model.safetensors"
+    save_file(dict(layer.state_dict()), str(path))
+    store_weights(path, "float16")
+    stored = load_file(str(path))
+    assert stored["weight"].dtype == torch.float16
+    assert not torch.equal(stored["weight"].float(), layer.weight)  # control: unrounded weights change on storing
+    round_weights(layer, "float16")
+    save_file(dict(layer.state_dict()), str(path))
+    store_weights(path, "float16")
+    assert torch.equal(load_file(str(path))["weight"].float(), layer.weight)

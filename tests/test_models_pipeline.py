@@ -4,6 +4,7 @@ Fast (seconds): synthetic distributions in a temporary site folder, tiny models,
 """
 
 import io
+import json
 import textwrap
 
 import numpy as np
@@ -168,10 +169,27 @@ def test_named_specs():
     assert load_spec("first") == BuildSpec()  # the first pair: the defaults that tiny test specs inherit
     nxt = load_spec("next")
     assert nxt.corpus.packages and all("==" in p for p in nxt.corpus.packages)
+    # `next` extends `shipped`: the same corpus and training, plus the polish stage, stored in float32.
+    assert nxt.model_copy(update={"polish": shipped.polish, "weights_dtype": shipped.weights_dtype}) == shipped
+    assert nxt.polish.active and not shipped.polish.active and nxt.weights_dtype == "float32"
     assert nxt.train.distill_sampled_share > 0 and nxt.drafter.causal
     assert max(nxt.drafter.target_layer_ids) < nxt.target.num_layers
     with pytest.raises(FileNotFoundError, match="named specs"):
         load_spec("no-such-spec")
+
+
+def test_spec_extends_merges_objects_key_by_key_and_refuses_a_cycle(tmp_path):
+    (tmp_path / "base.json").write_text(json.dumps({"train": {"seed": 3, "target_steps": 7}, "corpus": {"packages": ["a==1"]}}))
+    (tmp_path / "child.json").write_text(json.dumps(
+        {"extends": str(tmp_path / "base.json"), "train": {"target_steps": 9}, "corpus": {"packages": ["b==2"]}}))
+    child = load_spec(str(tmp_path / "child.json"))
+    assert (child.train.seed, child.train.target_steps) == (3, 9)  # an object merges: seed kept, steps replaced
+    assert child.corpus.packages == ["b==2"]  # a list is replaced, not appended to
+    assert load_spec(str(tmp_path / "base.json")).train.target_steps == 7  # control: the base is itself
+    (tmp_path / "a.json").write_text(json.dumps({"extends": str(tmp_path / "b.json")}))
+    (tmp_path / "b.json").write_text(json.dumps({"extends": str(tmp_path / "a.json")}))
+    with pytest.raises(ValueError, match="extends itself"):
+        load_spec(str(tmp_path / "a.json"))
 
 
 # --- resumable training -------------------------------------------------------------------------

@@ -190,11 +190,29 @@ class BuildSpec(BaseModel):
 
 def load_spec(name_or_path: str) -> BuildSpec:
     """A name under specs/ (`shipped`: what replicas/models/weights holds; `first`: the first pair, the defaults),
-    or a JSON file."""
+    or a JSON file. A spec may name another in `extends` and give only what differs (objects merge key by key,
+    anything else is replaced), so that one package list serves the specs built on it."""
+    return BuildSpec.model_validate(_spec_json(name_or_path, ()))
+
+
+def _spec_json(name_or_path: str, seen: tuple[str, ...]) -> dict:
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = SPECS_DIR / f"{name_or_path}.json"
     if not path.is_file():
         names = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.json")))
         raise FileNotFoundError(f"no build spec {name_or_path!r} (named specs: {names}; or a JSON file)")
-    return BuildSpec.model_validate(json.loads(path.read_text()))
+    if str(path.resolve()) in seen:
+        raise ValueError(f"build spec {path} extends itself: {' -> '.join(seen)} -> {path.resolve()}")
+    data = json.loads(path.read_text())
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    return _merged(_spec_json(base, (*seen, str(path.resolve()))), data)
+
+
+def _merged(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

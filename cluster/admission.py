@@ -110,6 +110,9 @@ TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
 
 
+DEFAULT_CHARS_PER_TOKEN = 3.5  # of the usual 32k-128k-token vocabularies on English text and code
+
+
 class AdmissionConfig(BaseModel):
     """The application's SLOs as admission enforces them (`router.admission` in the app config)."""
 
@@ -118,7 +121,9 @@ class AdmissionConfig(BaseModel):
     enabled: bool = Field(default=True, description="refuse requests predicted to miss their SLOs (429)")
     ttft_ms: float = Field(default=1000.0, gt=0, description="TTFT SLO (ms)")
     tpot_ms: float | None = Field(default=None, gt=0, description="TPOT SLO (ms); None: each replica's tpot_slo_ms")
-    chars_per_token: float = Field(default=3.5, gt=0, description="prompt characters per token, for the prefill estimate")
+    chars_per_token: float | None = Field(default=None, gt=0, description="prompt characters per token, for the prefill "
+                                          "estimate; None: the served model's tokenizer's, measured when the application "
+                                          f"is built (`cluster.prompt_model.chars_per_token`), else {DEFAULT_CHARS_PER_TOKEN}")
     min_drain_rate: float = Field(default=0.2, gt=0, description="completions/s assumed of a replica before any was measured")
     max_retry_after_s: int = Field(default=30, ge=1, description="cap on the Retry-After of a refusal")
     tpot_share: float = Field(default=0.75, gt=0, le=1.0, description="admit while the predicted TPOT is under this "
@@ -229,7 +234,7 @@ def calibration(fleet: FleetArrays, config: AdmissionConfig) -> np.ndarray:
 
 
 def estimated_prompt_tokens(text_chars: int, config: AdmissionConfig) -> float:
-    return text_chars / config.chars_per_token
+    return text_chars / (config.chars_per_token or DEFAULT_CHARS_PER_TOKEN)
 
 
 def decide(

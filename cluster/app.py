@@ -104,13 +104,19 @@ def build_app(config: AppConfig):
     from ray import serve
 
     parts = config.replica.by_tensor_parallel()  # a deployment per tensor-parallel size (cluster/fleet_backend.py)
+    router = config.router
+    if router.kind == "acceptance_headroom" and router.admission.chars_per_token is None:
+        from cluster.prompt_model import chars_per_token
+
+        measured = chars_per_token(parts[0].engine.model)
+        router = router.model_copy(update={"admission": router.admission.model_copy(update={"chars_per_token": measured})})
     engines = [
         serve.deployment(EngineReplica).options(
             name="EngineReplica" if len(parts) == 1 else f"EngineReplica-tp{rc.engine.tensor_parallel_size}",
             **replica_count_options(rc),
             max_ongoing_requests=rc.max_ongoing_requests,
             max_queued_requests=rc.max_queued_requests,
-            request_router_config=config.router.request_router_config(rc.stats_period_s, config.ingress.num_replicas),
+            request_router_config=router.request_router_config(rc.stats_period_s, config.ingress.num_replicas),
             health_check_period_s=10,
             health_check_timeout_s=60,
             **engine_deployment_options(rc),
@@ -123,7 +129,7 @@ def build_app(config: AppConfig):
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    admission = config.router.admission if config.router.kind == "acceptance_headroom" else None
+    admission = router.admission if router.kind == "acceptance_headroom" else None
     return ingress.bind(engines[0] if len(engines) == 1 else engines, config.ingress, admission)
 
 

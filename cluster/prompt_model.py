@@ -13,10 +13,12 @@ engine, when its rows carry their domain) or else as measured at build time
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Sequence
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel
@@ -130,3 +132,27 @@ class PromptModel(BaseModel):
         texts = [p.prompt for d in workloads for p in workloads[d]]
         labels = [d for d in workloads for _ in workloads[d]]
         return cls.fit(texts, labels, accept_len)
+
+
+@functools.lru_cache(maxsize=8)
+def chars_per_token(model: str | Path) -> float | None:
+    """Characters per token of `model`'s tokenizer (`tokenizer.json` in its folder or in the Hugging Face cache) on
+    the shipped workload prompts, or None where this machine has none. Admission and the router estimate a prompt's
+    tokens from its characters; the embedded pair's 1,024-token vocabulary takes about 2.5 characters a token, a
+    128k one about 4."""
+    from tokenizers import Tokenizer
+
+    from replicas.models.workloads import load_workloads
+
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(model), "tokenizer.json") if str(model).count("/") == 1 else None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    tokenizer = Tokenizer.from_file(str(path))
+    texts = [p.prompt for prompts in load_workloads().values() for p in prompts]
+    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+    return sum(map(len, texts)) / tokens if tokens else None

@@ -163,9 +163,10 @@ def profiles() -> dict[str, Profile]:
             cost=StepCostModel.load(PROFILE_DIR / "cpu-embedded.json"),
             k=8,
             context_ms_per_row=0.03,
-            source="profiled: the embedded pair's engine under `forespark serve` on this project's 2-core host "
-            "(replicas/wcs/profiler.py, one CPU per replica); context store per row an estimate (probe rounds at 64 "
-            "requests stored 1,000-4,000 deferred rows in 30-80 ms)",
+            source="profiled: the shipped embedded pair's engine under `forespark serve` on this project's 2-core host "
+            "(replicas/wcs/profiler.py, one CPU per replica; results/sim/validate-pair2-real/profile.json); context "
+            "store per row an estimate from the first pair (probe rounds at 64 requests stored 1,000-4,000 deferred "
+            "rows in 30-80 ms; this pair stored 789 rows in 9 ms at 4 requests)",
         )
     }
     for gpu in GPUS:

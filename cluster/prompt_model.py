@@ -13,11 +13,10 @@ engine, when its rows carry their domain) or else as measured at build time
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from collections.abc import Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +133,7 @@ class PromptModel(BaseModel):
         return cls.fit(texts, labels, accept_len)
 
 
-@functools.lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
 def chars_per_token(model: str | Path) -> float | None:
     """Characters per token of `model`'s tokenizer (`tokenizer.json` in its folder or in the Hugging Face cache) on
     the shipped workload prompts, or None where this machine has none. Admission and the router estimate a prompt's

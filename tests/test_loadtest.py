@@ -437,6 +437,42 @@ def test_replica_loads_count_each_replicas_cpu_time_per_finished_request_over_th
     assert late["c"].requests == 5 and late["c"].cpu_ms_per_request is None and late["a"].cpu_ms_per_request == pytest.approx(4000 / 30)
 
 
+def _wcs_metrics_text(wcs: dict[str, tuple[list[float], list[float], list[float], float, float]]) -> str:
+    """WCS's series as Ray exports them: per replica, drafted / verified / accepted tokens per position, then draft and
+    step seconds."""
+    common = 'SessionName="s",WorkerId="w"'
+    lines = []
+    for name, at in (("drafted", 0), ("verified", 1), ("accepted", 2)):
+        lines.append(f"# TYPE ray_forespark_wcs_{name}_tokens_total counter")
+        lines += [f'ray_forespark_wcs_{name}_tokens_total{{{common},position="{j + 1}",replica="{r}"}} {v}'
+                  for r, row in wcs.items() for j, v in enumerate(row[at])]
+    for name, at in (("draft", 3), ("step", 4)):
+        lines.append(f"# TYPE ray_forespark_wcs_{name}_seconds_total counter")
+        lines += [f'ray_forespark_wcs_{name}_seconds_total{{{common},replica="{r}"}} {row[at]}' for r, row in wcs.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_replica_loads_report_what_each_replicas_engine_drafted_and_accepted_over_the_run():
+    from loadtest.server_metrics import counters_from_text, format_loads, replica_loads
+
+    work = {"a": (10, 0, 1.0, 100), "b": (5, 0, 2.0, 100)}
+    before = counters_from_text(_metrics_text(work) + _wcs_metrics_text({"a": ([5, 3], [4, 2], [2, 1], 1.0, 10.0),
+                                                                         "b": ([0, 0], [0, 0], [0, 0], 0.5, 10.0)}))
+    after = counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "b": (15, 0, 3.2, 200)})
+                               + _wcs_metrics_text({"a": ([65, 43], [54, 32], [22, 11], 3.0, 30.0), "b": ([0, 0], [0, 0], [0, 0], 0.9, 30.0)}))
+    loads = replica_loads(before, after)
+    # a drafted 60 + 40 tokens in the run, 50 + 30 were verified and 20 + 10 accepted; its drafter took 2 of 20 s.
+    assert loads["a"].drafted_tokens == 100 and loads["a"].acceptance == pytest.approx(30 / 80)
+    assert loads["a"].draft_share == pytest.approx(0.1)
+    # b drafted nothing (an `ar` engine keeps WCS's counters): no acceptance, and its drafter's time is context only.
+    assert loads["b"].drafted_tokens == 0 and loads["b"].acceptance is None and loads["b"].draft_share == pytest.approx(0.02)
+    assert format_loads(loads).endswith("drafted 100/0 tokens (38%/- of those verified accepted; drafter 10.0%/2.0% of step time)")
+    # Control: a server whose engines have no WCS reports none of it.
+    plain = replica_loads(counters_from_text(_metrics_text(work)), counters_from_text(_metrics_text({"a": (40, 0, 1.6, 200), "b": (15, 0, 3.2, 200)})))
+    assert all(r.drafted_tokens is None and r.acceptance is None and r.draft_share is None for r in plain.values())
+    assert "drafted" not in format_loads(plain)
+
+
 def test_process_cpu_seconds_counts_a_busy_child_as_engine_time_and_an_idle_one_as_none():
     """Run in a fresh interpreter, whose only child is the one it starts (this one has servers as children)."""
     probe = """

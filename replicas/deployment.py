@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from replicas.engine import EngineConfig, cpu_engine_environment, lower_priority
 from replicas.metrics import LatestSchedulerStats, RayExport, measured_step_ms, process_cpu_seconds, replica_families
 from replicas.openai_api import exception_reply
+from replicas.overrides import merged
 from replicas.routing_stats import RoutingStats, StepMix, autoscaling_metrics, routing_stats, step_mix
 
 logger = logging.getLogger("ray.serve")
@@ -70,14 +71,6 @@ class EngineGroup(BaseModel):
     count: int = Field(ge=1)
     engine: dict[str, Any] = Field(default_factory=dict, description="overrides of the replica's `engine`, merged key "
                                    "by key (`drafter: null`: no drafter, autoregressive decoding)")
-
-
-def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `overrides` merged in: a dict into a dict key by key, anything else replacing."""
-    out = dict(base)
-    for key, value in overrides.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 class ReplicaConfig(BaseModel):

@@ -35,7 +35,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
-from cluster.admission import AdmissionConfig, AdmissionLoop, DrainMeter, estimated_prompt_tokens
+from cluster.admission import DEFAULT_CHARS_PER_TOKEN, AdmissionConfig, AdmissionLoop, DrainMeter, estimated_prompt_tokens
 from cluster.fleets import FleetDescription, ReplicaGroup  # noqa: F401 (FleetDescription: for the simulator's callers)
 from cluster.placement import FleetArrays
 from cluster.prompt_model import PromptModel
@@ -101,7 +101,7 @@ class FleetConfig(BaseModel):
     groups: list[ReplicaGroup] | None = Field(default=None, description="a heterogeneous fleet (replaces `replicas` and "
                                                 "`profile`: `FleetDescription.groups`)")
     admission: AdmissionConfig | None = Field(default=None, description="None: admission off")
-    chars_per_token: float = Field(default=3.5, gt=0, description="prompt tokens from the shipped prompts' characters")
+    chars_per_token: float = Field(default=DEFAULT_CHARS_PER_TOKEN, gt=0, description="prompt tokens from the shipped prompts' characters")
     request_ms: float = Field(default=0.0, ge=0, description="what the HTTP path adds to a request's TTFT (proxy, ingress, "
                               "tokenizing, the first chunk's way back; `simulate validate` fits it)")
     host: HostModel | None = Field(default=None, description="engines sharing the host's CPUs (None: each has its own)")

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from replicas.overrides import merged
+
 SPECS_DIR = Path(__file__).parent / "specs"
 
 
@@ -208,11 +210,5 @@ def _spec_json(name_or_path: str, seen: tuple[str, ...]) -> dict:
     base = data.pop("extends", None)
     if base is None:
         return data
-    return _merged(_spec_json(base, (*seen, str(path.resolve()))), data)
+    return merged(_spec_json(base, (*seen, str(path.resolve()))), data)
 
-
-def _merged(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
